@@ -1,0 +1,1 @@
+"""meshwatch node agent. Imports nothing from app/."""

@@ -1,0 +1,1 @@
+"""meshwatch backend: API, storage, analysis engine, actions, dashboard."""
