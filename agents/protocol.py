@@ -7,15 +7,16 @@ bounded so that a malformed or hostile batch is refused at the door with a
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints
 
 PROTOCOL_VERSION = 1
 
 # Identifiers: hostnames, interface names, job ids. No spaces, no control chars.
-Ident = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@/+-]+$")]
+Ident = Annotated[
+    str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@/+-]+$")
+]
 ShortText = Annotated[str, StringConstraints(max_length=256)]
 LongText = Annotated[str, StringConstraints(max_length=4096)]
 
@@ -34,7 +35,7 @@ class _Strict(BaseModel):
 class ProbeStat(_Strict):
     """One second of ping-mesh probes to one peer on one flow (UDP source port)."""
 
-    ts: datetime
+    ts: AwareDatetime
     peer: Ident
     flow: Annotated[int, Field(ge=0, le=65535)]
     sent: Annotated[int, Field(ge=0, le=100_000)]
@@ -47,7 +48,7 @@ class ProbeStat(_Strict):
 class HostSample(_Strict):
     """CPU and memory of the node, one per second."""
 
-    ts: datetime
+    ts: AwareDatetime
     cpu_pct: Annotated[float, Field(ge=0, le=100)]
     load1: Annotated[float, Field(ge=0, le=1e6)]
     mem_total_bytes: U64
@@ -57,7 +58,7 @@ class HostSample(_Strict):
 class GpuSample(_Strict):
     """One GPU's NVML readings at one instant. Absent readings are None."""
 
-    ts: datetime
+    ts: AwareDatetime
     gpu: Annotated[int, Field(ge=0, le=255)]
     uuid: ShortText | None = None
     pci_bus_id: ShortText | None = None
@@ -85,7 +86,7 @@ class NicCounter(_Strict):
     reload), where no honest rate exists.
     """
 
-    ts: datetime
+    ts: AwareDatetime
     iface: Ident
     counter: Ident  # e.g. rx_bytes, tx_prio3_pause, tx_prio3_pause_duration, out_of_buffer
     value: Annotated[float, Field(ge=0, le=2**64, allow_inf_nan=False)]
@@ -106,7 +107,7 @@ EventKind = Literal[
 class Event(_Strict):
     """Something that happened once: an Xid, an NCCL watchdog timeout, a log error."""
 
-    ts: datetime
+    ts: AwareDatetime
     kind: EventKind
     severity: Literal["info", "warning", "error", "critical"] = "warning"
     job: Ident | None = None
@@ -120,7 +121,7 @@ class Batch(_Strict):
 
     node: Ident
     seq: Annotated[int, Field(ge=0, le=2**62)]
-    sent_at: datetime
+    sent_at: AwareDatetime
     protocol: Literal[1] = PROTOCOL_VERSION
     probes: list[ProbeStat] = Field(default_factory=list, max_length=MAX_ROWS)
     hosts: list[HostSample] = Field(default_factory=list, max_length=600)

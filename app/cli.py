@@ -1,0 +1,106 @@
+"""``meshwatch``: the server-side command line.
+
+    meshwatch server   run the API, analysis engine and dashboard
+    meshwatch migrate  apply database migrations and partition maintenance
+    meshwatch bench    measure ingest and analysis throughput
+    meshwatch lab      network-namespace lab with real agents and injected faults
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+
+from app.settings import Settings
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    overrides = {}
+    for key in ("host", "port", "data_dir", "database_url"):
+        value = getattr(args, key, None)
+        if value is not None:
+            overrides[key] = value
+    return Settings(**overrides)
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.main import create_app
+
+    settings = _settings(args).resolve_secrets()
+    app = create_app(settings)
+    where = settings.database_url and "DATABASE_URL" or f"embedded PostgreSQL in {settings.data_dir}/pg"
+    print(f"meshwatch API on http://{settings.host}:{settings.port}/api/v1  (docs: /docs, db: {where})")
+    print(f"tokens in {settings.secrets_file()}" if settings.env == "dev" else "tokens from environment")
+    sys.stdout.flush()
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False)
+    return 0
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from app.store.database import EmbeddedPostgres, make_engine
+    from app.store.migrate import upgrade
+
+    settings = _settings(args)
+
+    async def run() -> None:
+        embedded = None
+        url = settings.database_url
+        if not url:
+            embedded = EmbeddedPostgres(settings.data_dir)
+            url = embedded.start()
+        engine = make_engine(url)
+        try:
+            await upgrade(engine, settings.retention_days)
+        finally:
+            await engine.dispose()
+            if embedded:
+                embedded.stop()
+
+    asyncio.run(run())
+    print(json.dumps({"migrated": True}) if args.json else "schema at head")
+    return 0
+
+
+def _add_db_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--database-url", help="postgresql+asyncpg://... (default: $DATABASE_URL, else embedded)")
+    p.add_argument("--data-dir", type=Path, help="data folder for the embedded PostgreSQL and tokens (default .meshwatch)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshwatch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("server", help="run the API server (embedded PostgreSQL unless DATABASE_URL is set)")
+    _add_db_flags(p)
+    p.add_argument("--host", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default 8080)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_server)
+
+    p = sub.add_parser("migrate", help="apply database migrations")
+    _add_db_flags(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_migrate)
+
+    from app import bench
+
+    bench.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("alembic", "pgserver", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The FastAPI application: routes, and the lifespan that owns the database,
+migrations, partition maintenance and the analysis engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+
+from app.api import ingest, nodes
+from app.settings import Settings
+from app.store import partitions
+from app.store.database import EmbeddedPostgres, make_engine, make_sessionmaker
+from app.store.migrate import upgrade
+
+log = logging.getLogger(__name__)
+
+PARTITION_MAINTENANCE_S = 3600
+
+
+async def _maintain_partitions(app: FastAPI) -> None:
+    while True:
+        await asyncio.sleep(PARTITION_MAINTENANCE_S)
+        try:
+            async with app.state.engine.begin() as conn:
+                result = await partitions.maintain(conn, app.state.settings.retention_days)
+            if result["dropped"]:
+                log.info("retention dropped %s", ", ".join(result["dropped"]))
+        except Exception:  # a failed round is retried next hour; the API keeps serving
+            log.exception("partition maintenance failed")
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings: Settings = app.state.settings
+    embedded: EmbeddedPostgres | None = None
+    url = settings.database_url
+    if not url:
+        embedded = EmbeddedPostgres(settings.data_dir)
+        url = await asyncio.to_thread(embedded.start)
+    engine = make_engine(url)
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        await upgrade(engine, settings.retention_days)
+        app.state.engine = engine
+        app.state.sessionmaker = make_sessionmaker(engine)
+        tasks.append(asyncio.create_task(_maintain_partitions(app)))
+        for starter in app.state.background:
+            tasks.append(asyncio.create_task(starter(app)))
+        yield
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await engine.dispose()
+        if embedded is not None:
+            await asyncio.to_thread(embedded.stop)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = (settings or Settings()).resolve_secrets()
+    app = FastAPI(
+        title="meshwatch",
+        version="0.1.0",
+        description="Fault detection and network telemetry for GPU training clusters.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    # Long-running loops started with the app (the analysis engine, webhook
+    # delivery); each is a coroutine function taking the app.
+    app.state.background = []
+    app.include_router(ingest.router)
+    app.include_router(nodes.router)
+
+    @app.get("/healthz", tags=["health"])
+    async def healthz() -> dict[str, str]:
+        """Liveness: the process answers."""
+        return {"status": "ok"}
+
+    return app
