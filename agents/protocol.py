@@ -7,9 +7,17 @@ bounded so that a malformed or hostile batch is refused at the door with a
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+)
 
 PROTOCOL_VERSION = 1
 
@@ -17,8 +25,9 @@ PROTOCOL_VERSION = 1
 Ident = Annotated[
     str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@/+-]+$")
 ]
-ShortText = Annotated[str, StringConstraints(max_length=256)]
-LongText = Annotated[str, StringConstraints(max_length=4096)]
+# PostgreSQL text cannot hold NUL: refuse it here rather than fail mid-COPY.
+ShortText = Annotated[str, StringConstraints(max_length=256, pattern=r"^[^\x00]*$")]
+LongText = Annotated[str, StringConstraints(max_length=4096, pattern=r"^[^\x00]*$")]
 
 U32 = Annotated[int, Field(ge=0, le=2**32 - 1)]
 U64 = Annotated[int, Field(ge=0, le=2**63 - 1)]
@@ -114,6 +123,16 @@ class Event(_Strict):
     rank: Annotated[int, Field(ge=0, le=10_000_000)] | None = None
     message: LongText = ""
     attrs: dict[Ident, Any] = Field(default_factory=dict, max_length=64)
+
+    @field_validator("attrs")
+    @classmethod
+    def _attrs_storable(cls, v: dict[str, Any]) -> dict[str, Any]:
+        encoded = json.dumps(v, allow_nan=False)
+        if len(encoded) > 16_384:
+            raise ValueError("attrs larger than 16 KiB")
+        if "\\u0000" in encoded:
+            raise ValueError("attrs may not contain NUL characters")
+        return v
 
 
 class Batch(_Strict):

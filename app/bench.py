@@ -20,8 +20,16 @@ from typing import Any
 
 FLOWS = 4
 GPUS = 8
-NIC_COUNTERS = ("rx_bytes", "tx_bytes", "rx_prio3_pause", "tx_prio3_pause", "rx_prio3_pause_duration",
-                "tx_prio3_pause_duration", "out_of_buffer", "np_cnp_sent")
+NIC_COUNTERS = (
+    "rx_bytes",
+    "tx_bytes",
+    "rx_prio3_pause",
+    "tx_prio3_pause",
+    "rx_prio3_pause_duration",
+    "tx_prio3_pause_duration",
+    "out_of_buffer",
+    "np_cnp_sent",
+)
 
 
 def synthetic_batch(node: str, seq: int, peers: list[str], rng: random.Random) -> dict[str, Any]:
@@ -31,26 +39,67 @@ def synthetic_batch(node: str, seq: int, peers: list[str], rng: random.Random) -
     for peer in peers:
         for flow in range(FLOWS):
             rtt = rng.gauss(45.0, 4.0)
-            probes.append({"ts": ts, "peer": peer, "flow": flow, "sent": 1, "received": 1,
-                           "rtt_min_us": rtt, "rtt_p50_us": rtt, "rtt_max_us": rtt})
-    gpus = [{"ts": ts, "gpu": g, "util_pct": rng.uniform(90, 100), "mem_used_bytes": 70 << 30,
-             "temp_c": rng.uniform(55, 70), "power_w": rng.uniform(500, 700), "sm_clock_mhz": 1980.0,
-             "throttle_reasons": 0, "ecc_volatile_sbe": 0, "ecc_volatile_dbe": 0, "pcie_replay": 0}
-            for g in range(GPUS)]
-    nics = [{"ts": ts, "iface": f"mlx5_{i}", "counter": c, "value": float(seq * 1000),
-             "rate": 1000.0} for i in range(2) for c in NIC_COUNTERS]
-    hosts = [{"ts": ts, "cpu_pct": rng.uniform(5, 30), "load1": 4.0,
-              "mem_total_bytes": 2 << 40, "mem_available_bytes": 1 << 40}]
-    return {"node": node, "seq": seq, "sent_at": ts, "probes": probes, "gpus": gpus,
-            "nics": nics, "hosts": hosts, "events": []}
+            probes.append(
+                {
+                    "ts": ts,
+                    "peer": peer,
+                    "flow": flow,
+                    "sent": 1,
+                    "received": 1,
+                    "rtt_min_us": rtt,
+                    "rtt_p50_us": rtt,
+                    "rtt_max_us": rtt,
+                }
+            )
+    gpus = [
+        {
+            "ts": ts,
+            "gpu": g,
+            "util_pct": rng.uniform(90, 100),
+            "mem_used_bytes": 70 << 30,
+            "temp_c": rng.uniform(55, 70),
+            "power_w": rng.uniform(500, 700),
+            "sm_clock_mhz": 1980.0,
+            "throttle_reasons": 0,
+            "ecc_volatile_sbe": 0,
+            "ecc_volatile_dbe": 0,
+            "pcie_replay": 0,
+        }
+        for g in range(GPUS)
+    ]
+    nics = [
+        {"ts": ts, "iface": f"mlx5_{i}", "counter": c, "value": float(seq * 1000), "rate": 1000.0}
+        for i in range(2)
+        for c in NIC_COUNTERS
+    ]
+    hosts = [
+        {
+            "ts": ts,
+            "cpu_pct": rng.uniform(5, 30),
+            "load1": 4.0,
+            "mem_total_bytes": 2 << 40,
+            "mem_available_bytes": 1 << 40,
+        }
+    ]
+    return {
+        "node": node,
+        "seq": seq,
+        "sent_at": ts,
+        "probes": probes,
+        "gpus": gpus,
+        "nics": nics,
+        "hosts": hosts,
+        "events": [],
+    }
 
 
 def batch_rows(batch: dict[str, Any]) -> int:
     return sum(len(batch[k]) for k in ("probes", "gpus", "nics", "hosts", "events"))
 
 
-async def bench_ingest(server: str, bootstrap: str, agents: int, peers: int, seconds: float,
-                       run_id: str) -> dict[str, Any]:
+async def bench_ingest(
+    server: str, bootstrap: str, agents: int, peers: int, seconds: float, run_id: str
+) -> dict[str, Any]:
     import httpx
 
     names = [f"bench-{run_id}-{i:04d}" for i in range(agents)]
@@ -60,9 +109,17 @@ async def bench_ingest(server: str, bootstrap: str, agents: int, peers: int, sec
     async with httpx.AsyncClient(base_url=server, timeout=30, limits=limits) as client:
         tokens = {}
         for i, name in enumerate(names):
-            r = await client.post("/api/v1/nodes/register", headers={"Authorization": f"Bearer {bootstrap}"},
-                                  json={"node": name, "hostname": name, "address": f"198.18.{i // 250}.{i % 250 + 1}",
-                                        "rack": f"bench-tor-{i // 16}", "gpu_count": GPUS})
+            r = await client.post(
+                "/api/v1/nodes/register",
+                headers={"Authorization": f"Bearer {bootstrap}"},
+                json={
+                    "node": name,
+                    "hostname": name,
+                    "address": f"198.18.{i // 250}.{i % 250 + 1}",
+                    "rack": f"bench-tor-{i // 16}",
+                    "gpu_count": GPUS,
+                },
+            )
             r.raise_for_status()
             tokens[name] = r.json()["token"]
         start = time.monotonic()
@@ -72,8 +129,11 @@ async def bench_ingest(server: str, bootstrap: str, agents: int, peers: int, sec
             nonlocal rows, batches, errors
             rng = random.Random(idx)
             peer_names = [names[(idx + k + 1) % agents] for k in range(peers)]
-            headers = {"Authorization": f"Bearer {tokens[name]}", "Content-Encoding": "gzip",
-                       "Content-Type": "application/json"}
+            headers = {
+                "Authorization": f"Bearer {tokens[name]}",
+                "Content-Encoding": "gzip",
+                "Content-Type": "application/json",
+            }
             seq = 0
             # Spread agents over the second as real ones are.
             await asyncio.sleep(rng.random())
@@ -119,8 +179,16 @@ def _bootstrap(args: argparse.Namespace) -> str:
 
 
 def cmd_bench_ingest(args: argparse.Namespace) -> int:
-    result = asyncio.run(bench_ingest(args.server, _bootstrap(args), args.agents, args.peers, args.seconds,
-                                      args.run_id or f"{int(time.time()) % 100000}"))
+    result = asyncio.run(
+        bench_ingest(
+            args.server,
+            _bootstrap(args),
+            args.agents,
+            args.peers,
+            args.seconds,
+            args.run_id or f"{int(time.time()) % 100000}",
+        )
+    )
     if args.json:
         print(json.dumps(result))
     else:
@@ -132,7 +200,9 @@ def cmd_bench_ingest(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     bench = sub.add_parser("bench", help="measure throughput and latency; prints figures")
     bsub = bench.add_subparsers(dest="bench", required=True)
-    p = bsub.add_parser("ingest", help="N simulated agents send one batch a second to a running server")
+    p = bsub.add_parser(
+        "ingest", help="N simulated agents send one batch a second to a running server"
+    )
     p.add_argument("--server", default="http://127.0.0.1:8080")
     p.add_argument("--agents", type=int, default=50)
     p.add_argument("--peers", type=int, default=64)

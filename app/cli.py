@@ -1,9 +1,9 @@
 """``meshwatch``: the server-side command line.
 
-    meshwatch server   run the API, analysis engine and dashboard
-    meshwatch migrate  apply database migrations and partition maintenance
-    meshwatch bench    measure ingest and analysis throughput
-    meshwatch lab      network-namespace lab with real agents and injected faults
+meshwatch server   run the API, analysis engine and dashboard
+meshwatch migrate  apply database migrations and partition maintenance
+meshwatch bench    measure ingest and analysis throughput
+meshwatch lab      network-namespace lab with real agents and injected faults
 """
 
 from __future__ import annotations
@@ -34,11 +34,20 @@ def cmd_server(args: argparse.Namespace) -> int:
 
     settings = _settings(args).resolve_secrets()
     app = create_app(settings)
-    where = settings.database_url and "DATABASE_URL" or f"embedded PostgreSQL in {settings.data_dir}/pg"
-    print(f"meshwatch API on http://{settings.host}:{settings.port}/api/v1  (docs: /docs, db: {where})")
-    print(f"tokens in {settings.secrets_file()}" if settings.env == "dev" else "tokens from environment")
+    where = (
+        settings.database_url and "DATABASE_URL" or f"embedded PostgreSQL in {settings.data_dir}/pg"
+    )
+    api = f"http://{settings.host}:{settings.port}/api/v1"
+    print(f"meshwatch API on {api}  (docs: /docs, db: {where})")
+    print(
+        f"tokens in {settings.secrets_file()}"
+        if settings.env == "dev"
+        else "tokens from environment"
+    )
     sys.stdout.flush()
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False)
+    uvicorn.run(
+        app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False
+    )
     return 0
 
 
@@ -68,15 +77,25 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def _add_db_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--database-url", help="postgresql+asyncpg://... (default: $DATABASE_URL, else embedded)")
-    p.add_argument("--data-dir", type=Path, help="data folder for the embedded PostgreSQL and tokens (default .meshwatch)")
+    p.add_argument(
+        "--database-url", help="postgresql+asyncpg://... (default: $DATABASE_URL, else embedded)"
+    )
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        help="data folder for the embedded PostgreSQL and tokens (default .meshwatch)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshwatch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="meshwatch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("server", help="run the API server (embedded PostgreSQL unless DATABASE_URL is set)")
+    p = sub.add_parser(
+        "server", help="run the API server (embedded PostgreSQL unless DATABASE_URL is set)"
+    )
     _add_db_flags(p)
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8080)")
@@ -95,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     for noisy in ("alembic", "pgserver", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)

@@ -79,7 +79,9 @@ async def get_principal(request: Request, session: SessionDep) -> Principal:
     if node is not None:
         return Principal("node", node, node=node)
     row = (
-        await session.execute(select(ApiToken.role, ApiToken.name).where(ApiToken.token_hash == digest))
+        await session.execute(
+            select(ApiToken.role, ApiToken.name).where(ApiToken.token_hash == digest)
+        )
     ).first()
     if row is not None:
         return Principal(row.role, row.name)
@@ -96,7 +98,9 @@ def require(grant: str):  # type: ignore[no-untyped-def]
 
     async def check(principal: PrincipalDep) -> Principal:
         if not principal.can(grant):
-            raise HTTPException(status.HTTP_403_FORBIDDEN, f"role {principal.role!r} may not {grant}")
+            raise HTTPException(
+                status.HTTP_403_FORBIDDEN, f"role {principal.role!r} may not {grant}"
+            )
         return principal
 
     return Depends(check)
@@ -107,4 +111,6 @@ def require_node(principal: Principal, node: str) -> None:
     if principal.role != "node":
         raise HTTPException(status.HTTP_403_FORBIDDEN, "a node token is required")
     if principal.node != node:
-        raise HTTPException(status.HTTP_403_FORBIDDEN, f"this token belongs to node {principal.node!r}")
+        raise HTTPException(
+            status.HTTP_403_FORBIDDEN, f"this token belongs to node {principal.node!r}"
+        )

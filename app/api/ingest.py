@@ -25,14 +25,36 @@ from app.store import partitions
 router = APIRouter(prefix="/api/v1", tags=["ingest"])
 
 PROBE_COLUMNS = (
-    "ts", "src", "dst", "flow", "sent", "received", "rtt_min_us", "rtt_p50_us", "rtt_max_us",
+    "ts",
+    "src",
+    "dst",
+    "flow",
+    "sent",
+    "received",
+    "rtt_min_us",
+    "rtt_p50_us",
+    "rtt_max_us",
 )
 HOST_COLUMNS = ("ts", "node", "cpu_pct", "load1", "mem_total_bytes", "mem_available_bytes")
 GPU_FIELDS = (
-    "gpu", "uuid", "pci_bus_id", "util_pct", "mem_used_bytes", "temp_c", "power_w",
-    "sm_clock_mhz", "throttle_reasons", "ecc_volatile_sbe", "ecc_volatile_dbe",
-    "ecc_aggregate_sbe", "ecc_aggregate_dbe", "retired_pages", "remapped_rows_pending",
-    "remapped_rows_failed", "pcie_replay", "nvlink_errors",
+    "gpu",
+    "uuid",
+    "pci_bus_id",
+    "util_pct",
+    "mem_used_bytes",
+    "temp_c",
+    "power_w",
+    "sm_clock_mhz",
+    "throttle_reasons",
+    "ecc_volatile_sbe",
+    "ecc_volatile_dbe",
+    "ecc_aggregate_sbe",
+    "ecc_aggregate_dbe",
+    "retired_pages",
+    "remapped_rows_pending",
+    "remapped_rows_failed",
+    "pcie_replay",
+    "nvlink_errors",
 )
 GPU_COLUMNS = ("ts", "node", *GPU_FIELDS)
 NIC_COLUMNS = ("ts", "node", "iface", "counter", "value", "rate")
@@ -40,7 +62,9 @@ EVENT_COLUMNS = ("ts", "node", "kind", "severity", "job", "rank", "message", "at
 
 
 def _unprocessable(errors: list[dict[str, Any]]) -> JSONResponse:
-    return JSONResponse(status_code=status.HTTP_422_UNPROCESSABLE_CONTENT, content={"detail": errors})
+    return JSONResponse(
+        status_code=status.HTTP_422_UNPROCESSABLE_CONTENT, content={"detail": errors}
+    )
 
 
 def _field(loc: tuple[Any, ...]) -> str:
@@ -56,7 +80,9 @@ def decode_body(raw: bytes, encoding: str, limit: int) -> bytes:
     if encoding in ("", "identity"):
         return raw
     if encoding != "gzip":
-        raise HTTPException(status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, f"unsupported Content-Encoding {encoding!r}")
+        raise HTTPException(
+            status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, f"unsupported Content-Encoding {encoding!r}"
+        )
     try:
         d = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
         out = d.decompress(raw, limit + 1)
@@ -107,7 +133,9 @@ def parse_batch(body: bytes) -> Batch | list[dict[str, Any]]:
 async def store_batch(session: Any, batch: Batch) -> IngestAck:
     """Write one validated batch in one transaction; idempotent on (node, seq)."""
     node = batch.node
-    rows = len(batch.probes) + len(batch.hosts) + len(batch.gpus) + len(batch.nics) + len(batch.events)
+    rows = (
+        len(batch.probes) + len(batch.hosts) + len(batch.gpus) + len(batch.nics) + len(batch.events)
+    )
     claimed = (
         await session.execute(
             text(
@@ -126,7 +154,17 @@ async def store_batch(session: Any, batch: Batch) -> IngestAck:
             "probe_stats",
             columns=PROBE_COLUMNS,
             records=[
-                (p.ts, node, p.peer, p.flow, p.sent, p.received, p.rtt_min_us, p.rtt_p50_us, p.rtt_max_us)
+                (
+                    p.ts,
+                    node,
+                    p.peer,
+                    p.flow,
+                    p.sent,
+                    p.received,
+                    p.rtt_min_us,
+                    p.rtt_p50_us,
+                    p.rtt_max_us,
+                )
                 for p in batch.probes
             ],
         )
@@ -178,7 +216,9 @@ async def ingest(
     """Store one telemetry batch from one agent (gzip accepted); idempotent on (node, seq)."""
     raw = await request.body()
     if len(raw) > settings.max_body_bytes:
-        raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, f"body exceeds {settings.max_body_bytes} bytes")
+        raise HTTPException(
+            status.HTTP_413_CONTENT_TOO_LARGE, f"body exceeds {settings.max_body_bytes} bytes"
+        )
     body = decode_body(raw, request.headers.get("content-encoding", ""), settings.max_body_bytes)
     parsed = parse_batch(body)
     if isinstance(parsed, list):

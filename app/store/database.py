@@ -47,7 +47,12 @@ class EmbeddedPostgres:
 
 def normalise_url(url: str) -> str:
     """Accept postgres:// and postgresql:// URLs and use the asyncpg driver."""
-    for prefix in ("postgres://", "postgresql://", "postgresql+psycopg2://", "postgresql+psycopg://"):
+    for prefix in (
+        "postgres://",
+        "postgresql://",
+        "postgresql+psycopg2://",
+        "postgresql+psycopg://",
+    ):
         if url.startswith(prefix):
             return "postgresql+asyncpg://" + url[len(prefix) :]
     return url

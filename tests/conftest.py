@@ -1,0 +1,87 @@
+"""Shared fixtures: a real PostgreSQL for the whole run, and real servers.
+
+``DATABASE_URL`` set: a fresh database is created on that server for this
+run and dropped at the end. Unset: an embedded PostgreSQL (pgserver) is
+started in a temporary folder. Either way the tests talk to real Postgres.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+from sqlalchemy.engine import make_url
+
+from app.lab.processes import BackendProcess
+from app.store.database import normalise_url
+
+
+def asyncpg_dsn(url: str) -> str:
+    """The plain libpq-style DSN asyncpg takes, from a SQLAlchemy URL."""
+    u = make_url(normalise_url(url)).set(drivername="postgresql")
+    return u.render_as_string(hide_password=False)
+
+
+def with_database(url: str, name: str) -> str:
+    return make_url(normalise_url(url)).set(database=name).render_as_string(hide_password=False)
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    base = os.environ.get("DATABASE_URL")
+    embedded = None
+    tmp = None
+    if not base:
+        import pgserver
+
+        tmp = tempfile.mkdtemp(prefix="mw-pg-")
+        embedded = pgserver.get_server(Path(tmp), cleanup_mode="stop")
+        base = f"postgresql+asyncpg://postgres@/postgres?host={tmp}"
+    name = f"mw_test_{os.getpid()}_{secrets.token_hex(3)}"
+
+    async def create() -> None:
+        conn = await asyncpg.connect(asyncpg_dsn(base))
+        await conn.execute(f'CREATE DATABASE "{name}"')
+        await conn.close()
+
+    async def drop() -> None:
+        conn = await asyncpg.connect(asyncpg_dsn(base))
+        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await conn.close()
+
+    asyncio.run(create())
+    yield with_database(base, name)
+    asyncio.run(drop())
+    if embedded is not None:
+        embedded.cleanup()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def backend(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackendProcess]:
+    """One real ``meshwatch server`` process shared by the API tests."""
+    server = BackendProcess(
+        pg_url,
+        tmp_path_factory.mktemp("backend"),
+        bootstrap_token="test-bootstrap-" + secrets.token_hex(4),
+        admin_token="test-admin-" + secrets.token_hex(4),
+        extra_env={"MESHWATCH_RUN_ENGINE": "false"},
+    )
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def db(pg_url: str):  # type: ignore[no-untyped-def]
+    """A direct asyncpg connection to the test database, for counting rows."""
+    conn = await asyncpg.connect(asyncpg_dsn(pg_url))
+    yield conn
+    await conn.close()
