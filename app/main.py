@@ -10,7 +10,8 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from app.api import ingest, nodes
+from app.analysis.bisect_driver import run_bisections
+from app.api import bisections, incidents, ingest, nodes, pinglist, tasks
 from app.settings import Settings
 from app.store import partitions
 from app.store.database import EmbeddedPostgres, make_engine, make_sessionmaker
@@ -31,6 +32,17 @@ async def _maintain_partitions(app: FastAPI) -> None:
                 log.info("retention dropped %s", ", ".join(result["dropped"]))
         except Exception:  # a failed round is retried next hour; the API keeps serving
             log.exception("partition maintenance failed")
+
+
+async def run_analysis_engine(app: FastAPI) -> None:
+    from app.analysis.detectors import PingmeshDetector
+    from app.analysis.engine import AnalysisEngine
+
+    engine = AnalysisEngine(
+        app.state.engine, [PingmeshDetector()], interval_s=app.state.settings.engine_interval_s
+    )
+    app.state.analysis = engine
+    await engine.run()
 
 
 @contextlib.asynccontextmanager
@@ -72,8 +84,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Long-running loops started with the app (the analysis engine, webhook
     # delivery); each is a coroutine function taking the app.
     app.state.background = []
+    if settings.run_engine:
+        app.state.background.append(run_analysis_engine)
     app.include_router(ingest.router)
     app.include_router(nodes.router)
+    app.include_router(pinglist.router)
+    app.include_router(incidents.router)
+    app.state.background += [tasks.run_task_listener, run_bisections]
+    app.include_router(tasks.router)
+    app.include_router(bisections.router)
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:

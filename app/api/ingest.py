@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from sqlalchemy import text
 
 from agents.protocol import Batch, IngestAck
+from app.analysis.engine import notify_wake
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep, require_node
 from app.store import partitions
 
@@ -205,6 +206,8 @@ async def store_batch(session: Any, batch: Batch) -> IngestAck:
         ),
         {"t": datetime.now(UTC), "s": batch.seq, "n": node},
     )
+    if batch.events or any(p.received < p.sent for p in batch.probes):
+        await notify_wake(await session.connection(), node)
     await session.commit()
     return IngestAck(node=node, seq=batch.seq, duplicate=False, rows=rows)
 

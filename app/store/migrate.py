@@ -27,6 +27,6 @@ async def upgrade(engine: AsyncEngine, retention_days: int) -> None:
     """Bring the schema to head, then make sure today's partitions exist."""
     url = engine.url.render_as_string(hide_password=False)
     # env.py runs its own event loop; keep it off ours.
-    await asyncio.to_thread(command.upgrade, alembic_config(url), "head")
+    await asyncio.to_thread(command.upgrade, alembic_config(url), "heads")
     async with engine.begin() as conn:
         await partitions.maintain(conn, retention_days)
