@@ -12,7 +12,11 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
+import socket
+import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from app.settings import Settings
@@ -39,16 +43,69 @@ def cmd_server(args: argparse.Namespace) -> int:
     )
     api = f"http://{settings.host}:{settings.port}/api/v1"
     print(f"meshwatch API on {api}  (docs: /docs, db: {where})")
-    print(
-        f"tokens in {settings.secrets_file()}"
-        if settings.env == "dev"
-        else "tokens from environment"
-    )
+    if settings.env == "dev":
+        print(f"tokens in {settings.secrets_file()} (admin_token reads the API)")
     sys.stdout.flush()
-    uvicorn.run(
-        app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False
+        )
     )
+    agent = LocalAgent(settings) if args.with_agent else None
+    if agent:
+        agent.start_when_ready()
+    try:
+        server.run()
+    finally:
+        if agent:
+            agent.stop()
     return 0
+
+
+class LocalAgent:
+    """The quick start's agent for this machine, started once the API answers."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._stopping = threading.Event()
+
+    def start_when_ready(self) -> None:
+        threading.Thread(target=self._run, name="local-agent", daemon=True).start()
+
+    def _run(self) -> None:
+        import httpx
+
+        from app.lab.processes import agent_command
+
+        base = f"http://{self.settings.host}:{self.settings.port}"
+        while not self._stopping.is_set():
+            try:
+                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            self._stopping.wait(0.2)
+        if self._stopping.is_set():
+            return
+        argv = agent_command(
+            base,
+            socket.gethostname(),
+            self.settings.bootstrap_token or "",
+            self.settings.data_dir / "agent",
+            extra=["--address", "127.0.0.1"],
+        )
+        self.proc = subprocess.Popen(argv)
+        print(f"agent for this machine running as node {socket.gethostname()!r}", flush=True)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
@@ -100,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8080)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--with-agent", action="store_true", help="also run an agent for this machine (quick start)"
+    )
     p.set_defaults(func=cmd_server)
 
     p = sub.add_parser("migrate", help="apply database migrations")
@@ -108,8 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_migrate)
 
     from app import bench
+    from app.lab import runner
 
     bench.add_parser(sub)
+    runner.add_parser(sub)
     return parser
 
 

@@ -80,6 +80,21 @@ def backend(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[B
 
 
 @pytest.fixture
+def fresh_db_url(pg_url: str) -> Iterator[str]:
+    """An empty database of its own on the test server (the lab needs a clean topology)."""
+    name = f"mw_fresh_{secrets.token_hex(4)}"
+
+    async def sql(statement: str) -> None:
+        conn = await asyncpg.connect(asyncpg_dsn(pg_url))
+        await conn.execute(statement)
+        await conn.close()
+
+    asyncio.run(sql(f'CREATE DATABASE "{name}"'))
+    yield with_database(pg_url, name)
+    asyncio.run(sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture
 async def db(pg_url: str):  # type: ignore[no-untyped-def]
     """A direct asyncpg connection to the test database, for counting rows."""
     conn = await asyncpg.connect(asyncpg_dsn(pg_url))
