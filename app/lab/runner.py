@@ -419,6 +419,8 @@ def add_parser(sub: Any) -> None:
         "--duration", type=float, default=30.0, help="seconds to watch in the healthy scenario"
     )
     p.add_argument("--timeout", type=float, help="seconds to wait for detection")
-    p.add_argument("--database-url", help="an empty database for the lab (default: a fresh embedded PostgreSQL)")
+    p.add_argument(
+        "--database-url", help="an empty database for the lab (default: a fresh embedded one)"
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_lab_run)
