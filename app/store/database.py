@@ -26,7 +26,12 @@ class EmbeddedPostgres:
         self._server: Any = None
 
     def start(self) -> str:
-        import pgserver  # the server extra only
+        import warnings
+
+        with warnings.catch_warnings():
+            # platformdirs warns that XDG_RUNTIME_DIR is unset (services, containers).
+            warnings.simplefilter("ignore")
+            import pgserver  # the server extra only
 
         self.path.mkdir(parents=True, exist_ok=True)
         # cleanup_mode="stop": pgserver counts the processes holding a handle and
