@@ -28,16 +28,16 @@ class EmbeddedPostgres:
     def start(self) -> str:
         import warnings
 
+        import pgserver  # the server extra only
+
+        self.path.mkdir(parents=True, exist_ok=True)
         with warnings.catch_warnings():
             # platformdirs warns that XDG_RUNTIME_DIR is unset (services, containers).
             warnings.simplefilter("ignore")
-            import pgserver  # the server extra only
-
-        self.path.mkdir(parents=True, exist_ok=True)
-        # cleanup_mode="stop": pgserver counts the processes holding a handle and
-        # stops the server when the last one lets go (at exit too), so a test
-        # run and a server it starts can share one data folder.
-        self._server = pgserver.get_server(self.path, cleanup_mode="stop")
+            # cleanup_mode="stop": pgserver counts the processes holding a handle and
+            # stops the server when the last one lets go (at exit too), so a test
+            # run and a server it starts can share one data folder.
+            self._server = pgserver.get_server(self.path, cleanup_mode="stop")
         exists = self._server.psql(f"SELECT 1 FROM pg_database WHERE datname = '{DB_NAME}';")
         if "1 row" not in exists:
             self._server.psql(f"CREATE DATABASE {DB_NAME};")
