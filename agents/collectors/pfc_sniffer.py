@@ -85,6 +85,9 @@ class PfcSniffer(Collector):
     """
 
     name: ClassVar[str] = "pfc_sniffer"
+    # Four readings a second: a storm must outlast a one-second detection window
+    # before it is called one, and a half-second burst must visibly not.
+    interval: float = 0.25
 
     def __init__(
         self,

@@ -11,6 +11,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.analysis.incidents import Report, SuspectOut
+from app.analysis.pfc import PfcStormConfig, PfcStormDetector, samples_from_counter_rates
 from app.analysis.pingmesh import LocalizerConfig, PairStat, PingmeshLocalizer
 from app.analysis.topology import Topology
 
@@ -84,3 +85,63 @@ class PingmeshDetector:
             )
             for f in findings
         ]
+
+
+# Pause counters arrive four times a second from the frame sniffer (once from
+# ethtool): a port pausing for one whole second is a storm, which lets the
+# source be named about two seconds after the storm starts.
+PFC_DEFAULTS = PfcStormConfig(detection_window_s=1.0, sample_period_s=0.25)
+
+
+class PfcDetector:
+    """PFC storms: a port sending pause frames without end, and its victims."""
+
+    name = "pfc"
+    # Only counters that say something about pauses reach the detector.
+    COUNTER_PATTERN = "(rx|tx)_(prio[0-7]_)?pause(_duration)?|pfc_frames_prio[0-7]"
+
+    def __init__(self, config: PfcStormConfig | None = None, lookback_s: float = 10.0) -> None:
+        self.detector = PfcStormDetector(config or PFC_DEFAULTS)
+        self.lookback_s = lookback_s
+
+    async def evaluate(self, conn: AsyncConnection, now: datetime) -> list[Report]:
+        rows = await conn.execute(
+            text(
+                "SELECT node, iface, ts, counter, rate FROM nic_counters"
+                " WHERE ts >= :since AND counter ~ :pattern ORDER BY ts"
+            ),
+            {
+                "since": now - timedelta(seconds=self.lookback_s),
+                "pattern": f"^({self.COUNTER_PATTERN})$",
+            },
+        )
+        by_reading: dict[tuple[str, str, datetime], dict[str, float | None]] = {}
+        for node, iface, ts, counter, rate in rows:
+            by_reading.setdefault((node, iface, ts), {})[counter] = rate
+        for (node, iface, ts), rates in by_reading.items():
+            self.detector.observe_many(samples_from_counter_rates(node, iface, ts, rates))
+        reports = []
+        for f in self.detector.evaluate(now):
+            if f.state != "storm":
+                continue  # a restored port stops being reported; its incident closes
+            prio = "link" if f.priority is None else f"prio{f.priority}"
+            suspects = [SuspectOut("node", f.node, 0.95)]
+            suspects += [SuspectOut("victim", f"{v.node}/{v.iface}", 0.1) for v in f.victims]
+            reports.append(
+                Report(
+                    key=f"{f.node}:{f.iface}:{prio}",
+                    kind="pfc-storm",
+                    suspects=suspects,
+                    evidence={
+                        "source": {"node": f.node, "iface": f.iface, "priority": f.priority},
+                        "victims": [dataclasses.asdict(v) for v in f.victims],
+                        "detected_at": f.detected_at.isoformat(),
+                        **f.evidence,
+                    },
+                    first_seen=f.first_seen,
+                    summary=f"pfc-storm: {f.node} {f.iface} {prio} is sending pause frames"
+                    f" without end ({len(f.victims)} victims)",
+                    severity="critical",
+                )
+            )
+        return reports

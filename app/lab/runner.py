@@ -33,6 +33,7 @@ from app.lab.processes import BackendProcess, agent_command
 from app.lab.topology import Lab, destroy_leftovers
 
 LAB_PREFIX = "mwl"
+PFC_STORM_PPS = 2000
 
 
 @dataclass
@@ -119,6 +120,38 @@ def _healthy(lab: Lab, target: str, ctx: RunContext) -> None:
     return None
 
 
+def _emit_pfc(lab: Lab, target: str, ctx: RunContext, seconds: float) -> subprocess.Popen[bytes]:
+    node = lab.node(target)
+    argv = [
+        sys.executable,
+        "-m",
+        "agents.pfc",
+        node.fabric_if,
+        "--priority",
+        "3",
+        "--rate",
+        str(PFC_STORM_PPS),
+        "--seconds",
+        str(seconds),
+    ]
+    proc = lab.exec(target, argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ctx.cleanups.append(proc.kill)
+    return proc
+
+
+def _pfc_storm(lab: Lab, target: str, ctx: RunContext) -> Expectation:
+    # The target's NIC pauses its switch port at storm rate, as a NIC with a
+    # stuck receive path does; the pause frames are real 802.1Qbb frames.
+    _emit_pfc(lab, target, ctx, seconds=120)
+    return Expectation(("pfc-storm",), "node", target)
+
+
+def _pfc_burst(lab: Lab, target: str, ctx: RunContext) -> None:
+    # Half a second of pauses at storm rate: congestion control at work, not a storm.
+    _emit_pfc(lab, target, ctx, seconds=0.5)
+    return None
+
+
 _SINK = """
 import socket
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -154,6 +187,21 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("link-flap", "node", "the target node's link toggles every 2 s", _link_flap),
         Scenario(
             "slow-link", "node", "tc tbf at 20 Mbit/s on the target's link, under load", _slow_link
+        ),
+        Scenario(
+            "pfc-storm",
+            "node",
+            f"the target emits PFC pause frames at {PFC_STORM_PPS}/s on priority 3",
+            _pfc_storm,
+            collectors="host,pingmesh,pfc_sniffer",
+        ),
+        Scenario(
+            "pfc-burst",
+            "node",
+            "a 0.5 s PFC burst from the target, shorter than the detection window: must detect"
+            " nothing for --duration seconds",
+            _pfc_burst,
+            collectors="host,pingmesh,pfc_sniffer",
         ),
         Scenario(
             "healthy", "node", "no fault for --duration seconds: must detect nothing", _healthy

@@ -58,3 +58,19 @@ def test_healthy_fabric_opens_nothing(fresh_db_url: str) -> None:
     assert result["ok"], result
     assert result["detected"] == []
     no_leftovers()
+
+
+def test_pfc_storm_names_the_source(fresh_db_url: str) -> None:
+    result = run(fresh_db_url, scenario="pfc-storm", target="node-02")
+    assert result["ok"], result
+    storm = [d for d in result["detected"] if d["kind"] == "pfc-storm"]
+    assert storm and storm[0]["suspects"][0]["id"] == "node-02"
+    assert result["detected_after_s"] <= 2.0
+    no_leftovers()
+
+
+def test_pfc_burst_shorter_than_window_opens_nothing(fresh_db_url: str) -> None:
+    result = run(fresh_db_url, scenario="pfc-burst", target="node-06", duration_s=10.0)
+    assert result["ok"], result
+    assert result["detected"] == []
+    no_leftovers()
