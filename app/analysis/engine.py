@@ -31,6 +31,7 @@ WAKE_CHANNEL = "meshwatch_wake"
 # After a wake-up, wait this long for the other agents' batches of the same
 # second, so one evaluation sees them all.
 WAKE_SETTLE_S = 0.15
+WAKE_FOLLOW_UP_S = 1.1
 
 
 class Detector(Protocol):
@@ -115,14 +116,19 @@ class AnalysisEngine:
             if getattr(raw, "is_closed")():  # noqa: B009 - asyncpg connection
                 raise ConnectionError("leader connection closed")
             timeout = max(0.0, next_at - time.monotonic())
+            woken = False
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout)
                 await asyncio.sleep(WAKE_SETTLE_S)
+                woken = True
             except TimeoutError:
                 pass
             self._wake.clear()
             await self.cycle()
-            next_at = time.monotonic() + self.interval_s
+            # After a wake-up, look again soon whatever the interval: detectors that
+            # wait for a fault's reports to settle (hangs) decide on that second look.
+            delay = min(self.interval_s, WAKE_FOLLOW_UP_S) if woken else self.interval_s
+            next_at = time.monotonic() + delay
 
 
 async def notify_wake(conn: AsyncConnection, node: str) -> None:

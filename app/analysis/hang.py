@@ -207,9 +207,7 @@ class NodeSuspect:
     evidence: dict[str, Any]
 
 
-def _episodes(
-    reports: Sequence[CollectiveReport], gap_s: float
-) -> list[list[CollectiveReport]]:
+def _episodes(reports: Sequence[CollectiveReport], gap_s: float) -> list[list[CollectiveReport]]:
     """Split one job's reports into hangs: runs of timeouts no more than ``gap_s`` apart."""
     triggers = sorted((r for r in reports if r.is_timeout), key=lambda r: r.ts)
     spans: list[tuple[datetime, datetime]] = []
@@ -248,8 +246,12 @@ def find_hangs(
         if not triggers:
             continue
         first = min(triggers, key=lambda r: r.order)
-        key_trigger = first if first.seq is not None else next(
-            (r for r in sorted(triggers, key=lambda r: r.order) if r.seq is not None), first
+        key_trigger = (
+            first
+            if first.seq is not None
+            else next(
+                (r for r in sorted(triggers, key=lambda r: r.order) if r.seq is not None), first
+            )
         )
         # Sequence numbers count per process group: compare ranks only within one.
         waited: dict[str | None, int] = {}
@@ -294,9 +296,7 @@ def find_hangs(
             )
         key_pg = key_trigger.pg
         waited_seq = waited.get(key_pg)
-        op = next(
-            (r.op for r in triggers if r.pg == key_pg and r.seq == waited_seq and r.op), None
-        )
+        op = next((r.op for r in triggers if r.pg == key_pg and r.seq == waited_seq and r.op), None)
         timeouts = [r.timeout_ms for r in triggers if r.timeout_ms]
         hangs.append(
             Hang(
@@ -380,8 +380,9 @@ def rank_suspects(
         if score <= 0:
             continue
         out.append(
-            NodeSuspect(node, round(min(score, 1.0), 3), sorted(ranks[node]), reasons[node],
-                        details)
+            NodeSuspect(
+                node, round(min(score, 1.0), 3), sorted(ranks[node]), reasons[node], details
+            )
         )
     out.sort(key=lambda s: (-s.score, -len(s.ranks), s.node))
     return out
@@ -490,8 +491,13 @@ class HangDetector:
         max_lookback_s: float = 7200.0,
         probe_window_s: float = 120.0,
         gpu_stale_s: float = 15.0,
+        settle_s: float = 1.0,
     ) -> None:
         self.config = config or HangConfig()
+        # Every rank's watchdog fires within moments of the others, but their agents
+        # ship up to a batch interval apart: judge a job only once the reports of
+        # that second have landed, or the ranks still on their way look silent.
+        self.settle_s = settle_s
         # A hang stays reported (its incident open) while its timeouts are this recent.
         self.window_s = window_s
         # The fault came up to one process-group timeout before the timeouts: look that far back.
@@ -618,9 +624,22 @@ class HangDetector:
         for r in assign_jobs(reports, placements):
             if r.job is not None:
                 by_job[r.job].append(r)
+        first_received = dict(
+            (
+                await conn.execute(
+                    text(
+                        "SELECT job, min(received_at) FROM events WHERE kind = 'nccl_timeout'"
+                        " AND ts >= :since AND job = ANY(:jobs) GROUP BY job"
+                    ),
+                    {"since": now - timedelta(seconds=self.window_s), "jobs": sorted(by_job)},
+                )
+            ).all()
+        )
         hangs = [
             h
             for job, job_reports in sorted(by_job.items())
+            if (now - first_received.get(job, now - timedelta(days=1))).total_seconds()
+            >= self.settle_s
             for h in find_hangs(job, placements.get(job, []), job_reports, self.config)
         ]
         out = []

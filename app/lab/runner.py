@@ -43,18 +43,22 @@ class Expectation:
     kinds: tuple[str, ...]
     suspect_type: str
     suspect_id: str
+    # Accept the target tied with the top suspect (see ``met_by``).
+    allow_ties: bool = False
 
     def met_by(self, incident: dict[str, Any]) -> bool:
-        """The target is the top suspect, or tied with it: with two ToRs, either
-        uplink (or the spine) explains the cross-ToR loss equally well, and the
-        incident says so by scoring them alike rather than guessing."""
+        """The target is the top suspect; or, with ``allow_ties``, tied with it: with
+        two ToRs either uplink (or the spine) explains the cross-ToR loss equally
+        well, and the incident says so by scoring them alike rather than guessing."""
         if incident["kind"] not in self.kinds or not incident["suspects"]:
             return False
-        best = incident["suspects"][0]["score"]
+        top = incident["suspects"][0]
+        if not self.allow_ties:
+            return (top["type"], top["id"]) == (self.suspect_type, self.suspect_id)
         return any(
             s["type"] == self.suspect_type
             and s["id"] == self.suspect_id
-            and s["score"] >= best - 1e-6
+            and s["score"] >= top["score"] - 1e-6
             for s in incident["suspects"]
         )
 
@@ -66,7 +70,8 @@ class Scenario:
     help: str
     # inject(lab, target, ctx) -> Expectation | None (None: expect nothing)
     inject: Callable[[Lab, str, RunContext], Expectation | None]
-    agent_flags: Callable[[Lab, str], list[str]] = lambda lab, node: []
+    # Extra agent flags per node: (lab, node id, work folder) -> flags.
+    agent_flags: Callable[[Lab, str, Path], list[str]] = lambda lab, node, workdir: []
     collectors: str = "host,pingmesh"
     default_timeout_s: float = 30.0
 
@@ -86,7 +91,7 @@ def _node_down(lab: Lab, target: str, ctx: RunContext) -> Expectation:
 
 def _tor_uplink_down(lab: Lab, target: str, ctx: RunContext) -> Expectation:
     faults.tor_uplink_down(lab, target)
-    return Expectation(("uplink-down",), "uplink", target)
+    return Expectation(("uplink-down",), "uplink", target, allow_ties=len(lab.tors) == 2)
 
 
 def _link_flap(lab: Lab, target: str, ctx: RunContext) -> Expectation:
@@ -139,6 +144,48 @@ def _emit_pfc(lab: Lab, target: str, ctx: RunContext, seconds: float) -> subproc
     return proc
 
 
+LAB_JOB = "lab-job"
+HANG_SEQ = 4242
+# A real PyTorch ProcessGroupNCCL watchdog line (tests/fixtures/nccl, from
+# XPixelGroup/BasicSR issue 737), with the rank and sequence number filled in.
+_TIMEOUT_LINE = (
+    "[rank{rank}]:[E626 06:24:44.173078629 ProcessGroupNCCL.cpp:616] [Rank {rank}] Watchdog"
+    " caught collective operation timeout: WorkNCCL(SeqNum={seq}, OpType=ALLREDUCE,"
+    " NumelIn=9801523, NumelOut=9801523, Timeout(ms)=600000) ran for 600061 milliseconds"
+    " before timing out.\n"
+)
+
+
+def _nccl_logs(workdir: Path, node: str) -> Path:
+    return workdir / "logs" / node
+
+
+def _nccl_agent_flags(lab: Lab, node: str, workdir: Path) -> list[str]:
+    folder = _nccl_logs(workdir, node)
+    folder.mkdir(parents=True, exist_ok=True)
+    return ["--nccl-log-glob", str(folder / "train*.log"), "--job-id", LAB_JOB]
+
+
+def _nccl_hang(lab: Lab, target: str, ctx: RunContext) -> Expectation:
+    """One job across every node, one rank per node; the target's rank stops short
+    of collective HANG_SEQ and logs nothing, every other rank's watchdog times out
+    waiting in it and logs the real PyTorch line."""
+    ranks = [{"rank": i, "node": n, "gpu": 0} for i, n in enumerate(lab.node_ids)]
+    r = httpx.post(
+        f"{ctx.backend.url}/api/v1/jobs",
+        json={"id": LAB_JOB, "name": "lab all-reduce", "ranks": ranks},
+        headers={"Authorization": f"Bearer {ctx.backend.admin_token}"},
+        timeout=10,
+    )
+    r.raise_for_status()
+    for rank, node in enumerate(lab.node_ids):
+        if node == target:
+            continue
+        log = _nccl_logs(ctx.workdir, node) / "train0.log"
+        log.write_text(_TIMEOUT_LINE.format(rank=rank, seq=HANG_SEQ))
+    return Expectation(("nccl-hang",), "node", target)
+
+
 def _pfc_storm(lab: Lab, target: str, ctx: RunContext) -> Expectation:
     # The target's NIC pauses its switch port at storm rate, as a NIC with a
     # stuck receive path does; the pause frames are real 802.1Qbb frames.
@@ -187,6 +234,14 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("link-flap", "node", "the target node's link toggles every 2 s", _link_flap),
         Scenario(
             "slow-link", "node", "tc tbf at 20 Mbit/s on the target's link, under load", _slow_link
+        ),
+        Scenario(
+            "nccl-hang",
+            "node",
+            "a job over every node hangs an all-reduce: all ranks but the target's time out",
+            _nccl_hang,
+            agent_flags=_nccl_agent_flags,
+            collectors="host,pingmesh,nccl",
         ),
         Scenario(
             "pfc-storm",
@@ -317,7 +372,7 @@ class LabRun:
                     "2",
                     "--log-level",
                     "warning",
-                    *self.scenario.agent_flags(lab, node.name),
+                    *self.scenario.agent_flags(lab, node.name, workdir),
                 ],
             )
             log = open(workdir / f"agent-{node.name}.log", "wb")  # noqa: SIM115

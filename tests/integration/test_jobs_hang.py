@@ -110,7 +110,8 @@ def timeout_event(job: str, rank: int, seq: int, op: str = "ALLREDUCE") -> dict[
 
 
 async def hang_incidents(engine: AsyncEngine, job: str) -> list[dict[str, Any]]:
-    await AnalysisEngine(engine, [HangDetector()]).cycle()
+    # settle_s=0: these reports are all in; the settle wait has its own test.
+    await AnalysisEngine(engine, [HangDetector(settle_s=0)]).cycle()
     async with engine.connect() as conn:
         rows = await conn.execute(
             text(
@@ -320,3 +321,28 @@ async def test_engine_woken_by_ingest_opens_the_incident(
     finally:
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)
+
+
+async def test_reports_still_arriving_are_not_mistaken_for_silence(
+    client: httpx.AsyncClient, backend: BackendProcess, engine: AsyncEngine
+) -> None:
+    """Right after the first timeouts land, the ranks whose reports are still on their way
+    must not be blamed as silent: the detector waits for the second's reports to settle."""
+    t = tag()
+    job = f"settle-{t}"
+    nodes = [f"s{i}-{t}" for i in range(4)]
+    cluster = Cluster(client, backend)
+    await cluster.register(*nodes)
+    await cluster.register_job(job, {i: (n, 0) for i, n in enumerate(nodes)})
+    await cluster.post(nodes[0], events=[timeout_event(job, 0, 77)])
+    detector = HangDetector(settle_s=1.0)
+    async with engine.begin() as conn:
+        assert await detector.evaluate(conn, datetime.now(UTC)) == []
+    # The rest arrive; rank 3's node never reports: it, alone, is the suspect.
+    await cluster.post(nodes[1], events=[timeout_event(job, 1, 77)])
+    await cluster.post(nodes[2], events=[timeout_event(job, 2, 77)])
+    async with engine.begin() as conn:
+        reports = await detector.evaluate(conn, datetime.now(UTC) + timedelta(seconds=1.5))
+    mine = [r for r in reports if r.evidence.get("job") == job]
+    assert len(mine) == 1
+    assert [s.id for s in mine[0].suspects if s.type == "node"] == [nodes[3]]

@@ -74,3 +74,11 @@ def test_pfc_burst_shorter_than_window_opens_nothing(fresh_db_url: str) -> None:
     assert result["ok"], result
     assert result["detected"] == []
     no_leftovers()
+
+
+def test_nccl_hang_names_the_stalled_node(fresh_db_url: str) -> None:
+    result = run(fresh_db_url, scenario="nccl-hang", target="node-04")
+    assert result["ok"], result
+    hang = [d for d in result["detected"] if d["kind"] == "nccl-hang"]
+    assert hang and [s["id"] for s in hang[0]["suspects"]] == ["node-04"]
+    no_leftovers()
