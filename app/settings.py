@@ -11,7 +11,7 @@ import json
 import os
 import secrets
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -36,6 +36,39 @@ class Settings(BaseSettings):
     cross_tor_peers: int = Field(default=8, ge=0, le=1024)
     engine_interval_s: float = 1.0
     run_engine: bool = True
+    # -- actions: correlation, isolation policy, actuators, webhooks --------
+    # Signals about one suspect within this many seconds become one incident.
+    correlate_window_s: float = Field(default=120.0, gt=0)
+    # Decide and audit, but change no node and call no actuator.
+    isolation_dry_run: bool = False
+    # Automatic isolation stops at this fraction of the nodes (never below
+    # max_isolated_min_nodes, so a small cluster can still isolate one node).
+    max_isolated_fraction: float = Field(default=0.05, ge=0, le=1)
+    max_isolated_min_nodes: int = Field(default=1, ge=0)
+    max_isolations_per_hour: int = Field(default=10, ge=0)
+    # No automatic isolation of a node this soon after its last isolation or release.
+    node_cooldown_s: float = Field(default=1800.0, ge=0)
+    # JSON list of {"kind": glob, "action": "isolate"|"alert", "min_score": float};
+    # unset: app.actions.policy.DEFAULT_RULES.
+    isolation_rules: list[dict[str, Any]] | None = None
+    # External actuators besides the database, comma separated: slurm, kubernetes.
+    actuators: str = ""
+    slurm_isolate_command: str = "scontrol update nodename={hostname} state=drain reason={reason}"
+    slurm_release_command: str = "scontrol update nodename={hostname} state=resume"
+    slurm_dry_run: bool = False
+    kubernetes_dry_run: bool = False
+    kubernetes_taint_key: str = "meshwatch.io/isolated"
+    actuator_max_attempts: int = Field(default=5, ge=1)
+    actuator_backoff_s: float = Field(default=2.0, gt=0)
+    run_workers: bool = True  # webhook delivery and actuator loops
+    webhook_interval_s: float = Field(default=1.0, gt=0)
+    webhook_max_attempts: int = Field(default=8, ge=1)
+    webhook_backoff_s: float = Field(default=2.0, gt=0)
+    webhook_backoff_max_s: float = Field(default=600.0, gt=0)
+    webhook_timeout_s: float = Field(default=10.0, gt=0)
+    webhook_concurrency: int = Field(default=4, ge=1, le=64)
+    # Alertmanager forgets an alert not re-sent within its resolve_timeout.
+    alertmanager_refresh_s: float = Field(default=60.0, gt=0)
 
     def secrets_file(self) -> Path:
         return self.data_dir / "secrets.json"
