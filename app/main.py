@@ -10,8 +10,21 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
+from app.actions import hooks as actions
 from app.analysis.bisect_driver import run_bisections
-from app.api import bisections, incidents, ingest, nodes, pinglist, tasks
+from app.api import (
+    bisections,
+    dashboard,
+    incidents,
+    ingest,
+    isolation,
+    jobs,
+    nodes,
+    pinglist,
+    tasks,
+    tokens,
+    webhooks,
+)
 from app.settings import Settings
 from app.store import partitions
 from app.store.database import EmbeddedPostgres, make_engine, make_sessionmaker
@@ -35,12 +48,16 @@ async def _maintain_partitions(app: FastAPI) -> None:
 
 
 async def run_analysis_engine(app: FastAPI) -> None:
-    from app.analysis.detectors import PingmeshDetector
+    from app.analysis.detectors import PfcDetector, PingmeshDetector
     from app.analysis.engine import AnalysisEngine
+    from app.analysis.hang import HangDetector
 
     engine = AnalysisEngine(
-        app.state.engine, [PingmeshDetector()], interval_s=app.state.settings.engine_interval_s
+        app.state.engine,
+        [PingmeshDetector(), PfcDetector(), HangDetector()],
+        interval_s=app.state.settings.engine_interval_s,
     )
+    actions.install(app, engine)  # the correlator (last detector) and the actions hook
     app.state.analysis = engine
     await engine.run()
 
@@ -90,9 +107,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(nodes.router)
     app.include_router(pinglist.router)
     app.include_router(incidents.router)
+    app.include_router(jobs.router)
+    app.include_router(isolation.router)
+    app.include_router(tokens.router)
+    app.include_router(webhooks.router)
+    if settings.run_workers:
+        app.state.background += [actions.run_webhook_worker, actions.run_actuator_worker]
     app.state.background += [tasks.run_task_listener, run_bisections]
     app.include_router(tasks.router)
     app.include_router(bisections.router)
+    app.include_router(dashboard.router)
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:
