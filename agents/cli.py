@@ -59,6 +59,12 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     add("--bootstrap-token", dest="bootstrap_token",
         help="token to register with; prefer $MESHWATCH_BOOTSTRAP_TOKEN, since flags are "
              "visible to other users in the process list")
+    add("--no-tasks", dest="tasks", action="store_const", const=False,
+        help="do not run benchmark tasks handed out by the backend (bisection)")
+    add("--allow-command", dest="allowed_commands", action="append", metavar="PROGRAM",
+        help="program a `command` benchmark task may run (repeatable; * allows any)")
+    add("--bench-send-limit-bps", dest="bench_send_limit_bps", type=float,
+        help="cap this node's benchmark sends at this many bits/s (lab knob: a slow node)")
     add("--log-level", dest="log_level", choices=("debug", "info", "warning", "error"),
         help="log level (default info)")
 

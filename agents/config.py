@@ -108,6 +108,11 @@ class AgentConfig:
     final_flush_seconds: float = 3.0
     bootstrap_token: str | None = None
     log_level: str = "info"
+    # Benchmark tasks (slow-node bisection) handed out by the backend.
+    tasks: bool = True
+    allowed_commands: list[str] = field(default_factory=list)  # for `command` tasks; "*" = any
+    # Caps this node's benchmark sends, in bits/s: a lab knob that makes a node slow for real.
+    bench_send_limit_bps: float | None = None
 
     @property
     def spool_dir(self) -> Path:
@@ -172,8 +177,16 @@ def _convert(name: str, value: Any, source: str) -> Any:
             if isinstance(value, bool):
                 raise TypeError("expected an integer")
             return int(value)
-        if kind == "float":
+        if kind in ("float", "float | None"):
             return float(value)
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected true or false")
         if kind == "Path":
             return Path(value).expanduser()
         if not isinstance(value, str):

@@ -112,6 +112,7 @@ class AgentDaemon:
         self.collectors: list[Collector] = list(collectors) if collectors is not None else []
         self._use_configured = collectors is None
         self.prober: Any = None
+        self.task_runner: Any = None
         self.responder: Any = None
         self.batches_built = 0
         self._pending = Samples()
@@ -327,6 +328,9 @@ class AgentDaemon:
             spawn += [self._batch_loop(), self.shipper.run()]
             if self.prober is not None:
                 spawn.append(self._pinglist_loop())
+            if self.config.tasks:
+                self.task_runner = self._task_runner()
+                spawn.append(self.task_runner.run_forever())
             self._tasks = [asyncio.create_task(coro) for coro in spawn]
             await self._stop.wait()
             await self._shutdown()
@@ -341,7 +345,23 @@ class AgentDaemon:
         log.info("received %s: shutting down", sig.name)
         self._stop.set()
 
+    def _task_runner(self) -> Any:
+        from agents.tasks import TaskRunner
+
+        return TaskRunner(
+            self.config.server,
+            self.config.node_id,
+            self.shipper.current_token,
+            self.client,
+            on_token_rejected=self.shipper.forget_token,
+            bind_host=self.config.probe_bind_host,
+            send_rate_limit_bps=self.config.bench_send_limit_bps,
+            allowed_commands=self.config.allowed_commands,
+        )
+
     async def _shutdown(self) -> None:
+        if self.task_runner is not None:
+            await self.task_runner.stop()
         for task in self._tasks:
             task.cancel()
         if self._tasks:

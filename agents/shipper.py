@@ -209,6 +209,10 @@ class Shipper:
         if self._token == used:
             self._token = None
 
+    # Other clients of the backend on this node (the task runner) share the token.
+    current_token = _current_token
+    forget_token = _forget_token
+
     # -- queueing ---------------------------------------------------------------------------
 
     def encode(self, batch: Batch) -> bytes:

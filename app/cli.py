@@ -48,7 +48,13 @@ def cmd_server(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     server = uvicorn.Server(
         uvicorn.Config(
-            app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=args.log_level,
+            access_log=False,
+            # Agents hold long polls for tasks: cut them at shutdown rather than wait.
+            timeout_graceful_shutdown=2,
         )
     )
     agent = LocalAgent(settings) if args.with_agent else None
