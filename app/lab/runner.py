@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import random
 import signal
 import subprocess
@@ -72,6 +73,9 @@ class Scenario:
     inject: Callable[[Lab, str, RunContext], Expectation | None]
     # Extra agent flags per node: (lab, node id, work folder) -> flags.
     agent_flags: Callable[[Lab, str, Path], list[str]] = lambda lab, node, workdir: []
+    # Scenarios found by active measurement rather than by an incident wait on
+    # their own: (run, api, ctx, target, t0) -> result fields.
+    detect: Callable[..., dict[str, Any]] | None = None
     collectors: str = "host,pingmesh"
     default_timeout_s: float = 30.0
 
@@ -186,6 +190,65 @@ def _nccl_hang(lab: Lab, target: str, ctx: RunContext) -> Expectation:
     return Expectation(("nccl-hang",), "node", target)
 
 
+SLOW_RATE = "30mbit"
+RING_BYTES = 4 << 20
+
+
+def _slow_node(lab: Lab, target: str, ctx: RunContext) -> None:
+    # The node's link is throttled: nothing is lost, probes still answer in
+    # time, but its bandwidth is a fraction of its peers'. Only a benchmark
+    # over it shows it, which is what the bisection runs.
+    faults.slow_link(lab, target, rate=SLOW_RATE, burst="256kb", latency="50ms")
+    return None
+
+
+def _bisect_slow_node(
+    run: LabRun, api: httpx.Client, ctx: RunContext, target: str, t0: float
+) -> dict[str, Any]:
+    created = api.post(
+        "/api/v1/bisections",
+        json={
+            "nodes": ctx.lab.node_ids,
+            "benchmark": "net-ring",
+            # Lab nodes share the host's few cores, so healthy rings vary by a
+            # factor of 3 when many run at once; the throttled link is 20-30x slower.
+            "threshold": 0.8,
+            "spec": {"nbytes": RING_BYTES},
+            "deadline_s": 30,
+        },
+    )
+    created.raise_for_status()
+    bisection_id = created.json()["id"]
+    deadline = time.time() + run.timeout_s
+    view: dict[str, Any] = created.json()
+    while time.time() < deadline and view["status"] == "running":
+        time.sleep(0.25)
+        view = api.get(f"/api/v1/bisections/{bisection_id}").json()
+    verdict = view.get("verdict") or {}
+    slow_nodes: dict[str, dict[str, Any]] = verdict.get("slow_nodes", {})
+    slow = sorted(slow_nodes)
+    return {
+        "ok": slow == [target],
+        "detected": [
+            {
+                "kind": "slow-node",
+                "suspects": [
+                    {"type": "node", "id": n, "score": round(1 - (e.get("ratio") or 0), 3)}
+                    for n, e in slow_nodes.items()
+                ],
+            }
+        ]
+        if slow
+        else [],
+        "detected_after_s": round(time.time() - t0, 2) if slow else None,
+        "bisection": bisection_id,
+        "rounds": view["rounds_after_baseline"],
+        "max_rounds": math.ceil(math.log2(len(ctx.lab.node_ids))),
+        "verdict": verdict.get("outcome"),
+        "reason": verdict.get("reason"),
+    }
+
+
 def _pfc_storm(lab: Lab, target: str, ctx: RunContext) -> Expectation:
     # The target's NIC pauses its switch port at storm rate, as a NIC with a
     # stuck receive path does; the pause frames are real 802.1Qbb frames.
@@ -234,6 +297,14 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("link-flap", "node", "the target node's link toggles every 2 s", _link_flap),
         Scenario(
             "slow-link", "node", "tc tbf at 20 Mbit/s on the target's link, under load", _slow_link
+        ),
+        Scenario(
+            "slow-node",
+            "node",
+            f"tc tbf at {SLOW_RATE} on the target's link; a net-ring bisection must name it",
+            _slow_node,
+            detect=_bisect_slow_node,
+            default_timeout_s=120.0,
         ),
         Scenario(
             "nccl-hang",
@@ -338,7 +409,10 @@ class LabRun:
                 )
                 t0 = time.time()
                 expect = self.scenario.inject(lab, target, ctx)
-                result = self._wait_detection(api, expect, t0)
+                if self.scenario.detect is not None:
+                    result = self.scenario.detect(self, api, ctx, target, t0)
+                else:
+                    result = self._wait_detection(api, expect, t0)
                 result.update(
                     scenario=self.scenario.name,
                     target=target,
@@ -346,7 +420,8 @@ class LabRun:
                     tors=self.tors,
                     baseline_s=round(baseline_s, 1),
                 )
-                result["isolated"] = self._isolated(api, expect is not None and result["ok"])
+                incident_expected = expect is not None and self.scenario.detect is None
+                result["isolated"] = self._isolated(api, incident_expected and result["ok"])
         return result
 
     def _start_agents(

@@ -82,3 +82,11 @@ def test_nccl_hang_names_the_stalled_node(fresh_db_url: str) -> None:
     hang = [d for d in result["detected"] if d["kind"] == "nccl-hang"]
     assert hang and [s["id"] for s in hang[0]["suspects"]] == ["node-04"]
     no_leftovers()
+
+
+def test_slow_node_found_by_bisection(fresh_db_url: str) -> None:
+    result = run(fresh_db_url, scenario="slow-node", target="node-03", timeout_s=120.0)
+    assert result["ok"], result
+    assert [s["id"] for s in result["detected"][0]["suspects"]] == ["node-03"]
+    assert result["rounds"] <= result["max_rounds"] == 3
+    no_leftovers()
