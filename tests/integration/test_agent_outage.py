@@ -32,18 +32,34 @@ async def wait_for(predicate: Any, timeout: float, what: str) -> Any:
 async def test_backend_outage_loses_nothing_and_duplicates_nothing(
     fresh_db_url: str, tmp_path: Path
 ) -> None:
-    backend = BackendProcess(fresh_db_url, tmp_path / "backend", extra_env={
-        "MESHWATCH_RUN_ENGINE": "false"})
+    backend = BackendProcess(
+        fresh_db_url, tmp_path / "backend", extra_env={"MESHWATCH_RUN_ENGINE": "false"}
+    )
     backend.start()
     state = tmp_path / "agent"
     agent = subprocess.Popen(
-        agent_command(backend.url, NODE, backend.bootstrap_token, state,
-                      extra=["--collectors", "host", "--batch-interval", "0.5",
-                             "--address", "127.0.0.1", "--log-level", "warning"]),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        agent_command(
+            backend.url,
+            NODE,
+            backend.bootstrap_token,
+            state,
+            extra=[
+                "--collectors",
+                "host",
+                "--batch-interval",
+                "0.5",
+                "--address",
+                "127.0.0.1",
+                "--log-level",
+                "warning",
+            ],
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     conn = await asyncpg.connect(asyncpg_dsn(fresh_db_url))
     try:
+
         async def ledger() -> int:
             return await conn.fetchval("SELECT count(*) FROM ingest_batches WHERE node = $1", NODE)
 
@@ -66,18 +82,25 @@ async def test_backend_outage_loses_nothing_and_duplicates_nothing(
         out, _ = agent.communicate(timeout=30)
         assert agent.returncode == 0, out.decode()[-2000:]
         next_seq = json.loads((spool_dir / "state.json").read_text())["next_seq"]
-        seqs = [r[0] for r in await conn.fetch(
-            "SELECT seq FROM ingest_batches WHERE node = $1 ORDER BY seq", NODE)]
+        seqs = [
+            r[0]
+            for r in await conn.fetch(
+                "SELECT seq FROM ingest_batches WHERE node = $1 ORDER BY seq", NODE
+            )
+        ]
         # Every batch the agent ever made is stored, once.
         assert seqs == list(range(seqs[0], next_seq)), (seqs, next_seq)
         assert seqs[0] == 0
-        stored_rows = sum(r[0] for r in await conn.fetch(
-            "SELECT rows FROM ingest_batches WHERE node = $1", NODE))
-        actual = sum([
-            await conn.fetchval("SELECT count(*) FROM host_samples WHERE node = $1", NODE),
-            await conn.fetchval("SELECT count(*) FROM nic_counters WHERE node = $1", NODE),
-            await conn.fetchval("SELECT count(*) FROM events WHERE node = $1", NODE),
-        ])
+        stored_rows = sum(
+            r[0] for r in await conn.fetch("SELECT rows FROM ingest_batches WHERE node = $1", NODE)
+        )
+        actual = sum(
+            [
+                await conn.fetchval("SELECT count(*) FROM host_samples WHERE node = $1", NODE),
+                await conn.fetchval("SELECT count(*) FROM nic_counters WHERE node = $1", NODE),
+                await conn.fetchval("SELECT count(*) FROM events WHERE node = $1", NODE),
+            ]
+        )
         assert stored_rows == actual > 0
         leftover = [p for p in spool_dir.glob("*.json") if p.stem.isdigit()]
         assert leftover == [], leftover
@@ -90,4 +113,3 @@ async def test_backend_outage_loses_nothing_and_duplicates_nothing(
 
 async def _ge(fn: Any, n: int) -> bool:
     return (await fn()) >= n
-

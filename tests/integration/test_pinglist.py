@@ -17,9 +17,17 @@ async def test_pinglist_follows_membership(backend: BackendProcess) -> None:
     async with httpx.AsyncClient(base_url=backend.url, timeout=20) as c:
         boot = {"Authorization": f"Bearer {backend.bootstrap_token}"}
         for i, n in enumerate(names):
-            r = await c.post("/api/v1/nodes/register", headers=boot, json={
-                "node": n, "hostname": n, "address": f"198.18.7.{i + 1}", "probe_port": 7447,
-                "rack": racks[i // 3]})
+            r = await c.post(
+                "/api/v1/nodes/register",
+                headers=boot,
+                json={
+                    "node": n,
+                    "hostname": n,
+                    "address": f"198.18.7.{i + 1}",
+                    "probe_port": 7447,
+                    "rack": racks[i // 3],
+                },
+            )
             tokens[n] = r.json()["token"]
         auth = {"Authorization": f"Bearer {tokens[names[0]]}"}
         r = await c.get(f"/api/v1/pinglist/{names[0]}", headers=auth)
@@ -35,14 +43,18 @@ async def test_pinglist_follows_membership(backend: BackendProcess) -> None:
         assert r.status_code == 304
         # A new node in the same rack changes the list and its tag.
         new = f"pl{run}-n9"
-        await c.post("/api/v1/nodes/register", headers=boot, json={
-            "node": new, "hostname": new, "address": "198.18.7.99", "rack": racks[0]})
+        await c.post(
+            "/api/v1/nodes/register",
+            headers=boot,
+            json={"node": new, "hostname": new, "address": "198.18.7.99", "rack": racks[0]},
+        )
         r = await c.get(f"/api/v1/pinglist/{names[0]}", headers={**auth, "If-None-Match": etag})
         assert r.status_code == 200 and r.headers["etag"] != etag
         assert new in {p["node"] for p in r.json()["peers"]}
         # Agents read only their own pinglist.
         r = await c.get(f"/api/v1/pinglist/{names[1]}", headers=auth)
         assert r.status_code == 403
-        r = await c.get("/api/v1/pinglist/nobody",
-                        headers={"Authorization": f"Bearer {backend.admin_token}"})
+        r = await c.get(
+            "/api/v1/pinglist/nobody", headers={"Authorization": f"Bearer {backend.admin_token}"}
+        )
         assert r.status_code == 404

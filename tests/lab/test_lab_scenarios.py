@@ -16,14 +16,23 @@ from app.lab.runner import LAB_PREFIX, LabRun
 
 pytestmark = [
     pytest.mark.lab,
-    pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
-                       reason="the lab needs root and iproute2"),
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("ip") is None, reason="the lab needs root and iproute2"
+    ),
 ]
 
 
 def run(fresh_db_url: str, **kw: object) -> dict:
-    args = {"nodes": 8, "tors": 2, "target": None, "duration_s": 20.0, "timeout_s": 20.0,
-            "database_url": fresh_db_url, "log": lambda m: None, **kw}
+    args = {
+        "nodes": 8,
+        "tors": 2,
+        "target": None,
+        "duration_s": 20.0,
+        "timeout_s": 20.0,
+        "database_url": fresh_db_url,
+        "log": lambda m: None,
+        **kw,
+    }
     return LabRun(**args).run()  # type: ignore[arg-type]
 
 
