@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 RING_MAGIC = b"MWR1"
 _HEADER = struct.Struct("!4sQ")  # magic, payload bytes
 _ACK = struct.Struct("!4sd")  # magic, receiver's seconds from first to last byte
+_PACED_CHUNK = 64 * 1024
 _CHUNK = 1 << 20
 _CONNECT_RETRY_S = 0.05
 
@@ -106,14 +107,25 @@ def _gbits(nbytes: int, seconds: float) -> float:
     return nbytes * 8 / max(seconds, 1e-9) / 1e9
 
 
-async def net_ring_send(to_host: str, to_port: int, nbytes: int, timeout: float = 30.0) -> float:
+async def net_ring_send(
+    to_host: str,
+    to_port: int,
+    nbytes: int,
+    timeout: float = 30.0,
+    rate_bps: float | None = None,
+) -> float:
     """Send ``nbytes`` over one TCP stream to a ring peer; Gbit/s until it acknowledged all.
 
     The peer may start a little later (ring members start at slightly
     different times), so refused connections are retried until the deadline.
+    With ``rate_bps`` the writes are paced so the stream never runs faster:
+    the receiver sees a real TCP stream at that rate, which is how a lab
+    makes one node's network slow.
     """
     if nbytes < 1:
         raise ValueError("nbytes must be positive")
+    if rate_bps is not None and rate_bps <= 0:
+        raise ValueError("rate_bps must be positive")
     try:
         async with asyncio.timeout(timeout):
             while True:
@@ -125,13 +137,19 @@ async def net_ring_send(to_host: str, to_port: int, nbytes: int, timeout: float 
             try:
                 start = time.perf_counter()
                 writer.write(_HEADER.pack(RING_MAGIC, nbytes))
-                block = memoryview(bytes(min(_CHUNK, nbytes)))
-                left = nbytes
-                while left:
-                    piece = block[: min(left, len(block))]
+                # Paced streams write small pieces so the rate holds from the start.
+                chunk = _PACED_CHUNK if rate_bps is not None else _CHUNK
+                block = memoryview(bytes(min(chunk, nbytes)))
+                sent = 0
+                while sent < nbytes:
+                    piece = block[: min(nbytes - sent, len(block))]
                     writer.write(piece)
-                    left -= len(piece)
+                    sent += len(piece)
                     await writer.drain()
+                    if rate_bps is not None:
+                        ahead = start + sent * 8 / rate_bps - time.perf_counter()
+                        if ahead > 0:
+                            await asyncio.sleep(ahead)
                 magic, _ = _ACK.unpack(await reader.readexactly(_ACK.size))
                 elapsed = time.perf_counter() - start
             finally:

@@ -26,7 +26,6 @@ This module belongs to the agent: it never imports ``app``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 import random
@@ -37,9 +36,6 @@ from typing import Any
 import httpx
 
 from agents.benchmarks import (
-    _ACK,
-    _HEADER,
-    RING_MAGIC,
     BenchmarkError,
     BenchmarkTimeout,
     net_ring_receive,
@@ -58,61 +54,10 @@ _DEADLINE_MARGIN_FRACTION = 0.1
 # Keep trying to deliver a result this long after the deadline: a backend that
 # was restarting accepts it until its driver expires the task.
 _POST_GRACE_S = 60.0
-_PACED_CHUNK = 64 * 1024
-_CONNECT_RETRY_S = 0.05
 
 
 class TaskError(RuntimeError):
     """A task that cannot run here (bad spec, forbidden command)."""
-
-
-async def paced_ring_send(
-    to_host: str, to_port: int, nbytes: int, rate_bps: float, timeout: float = 30.0
-) -> float:
-    """Like ``net_ring_send``, but never faster than ``rate_bps`` bits per second.
-
-    Writes are paced in 64 KiB pieces: after each, the sender waits until the
-    bytes sent so far match the rate. The receiver sees a real TCP stream at
-    that rate, which is how a lab makes one node's network slow.
-    """
-    if nbytes < 1 or rate_bps <= 0:
-        raise ValueError("nbytes and rate_bps must be positive")
-    try:
-        async with asyncio.timeout(timeout):
-            while True:
-                try:
-                    reader, writer = await asyncio.open_connection(to_host, to_port)
-                    break
-                except OSError:
-                    await asyncio.sleep(_CONNECT_RETRY_S)
-            try:
-                start = time.perf_counter()
-                writer.write(_HEADER.pack(RING_MAGIC, nbytes))
-                block = memoryview(bytes(min(_PACED_CHUNK, nbytes)))
-                sent = 0
-                while sent < nbytes:
-                    piece = block[: min(nbytes - sent, len(block))]
-                    writer.write(piece)
-                    sent += len(piece)
-                    await writer.drain()
-                    ahead = start + sent * 8 / rate_bps - time.perf_counter()
-                    if ahead > 0:
-                        await asyncio.sleep(ahead)
-                magic, _ = _ACK.unpack(await reader.readexactly(_ACK.size))
-                elapsed = time.perf_counter() - start
-            finally:
-                writer.close()
-                with contextlib.suppress(OSError):
-                    await writer.wait_closed()
-    except TimeoutError:
-        raise BenchmarkTimeout(
-            f"net-ring paced send to {to_host}:{to_port} not done within {timeout}s"
-        ) from None
-    except (asyncio.IncompleteReadError, ConnectionError) as exc:
-        raise BenchmarkError(f"net-ring peer {to_host}:{to_port} broke the stream: {exc}") from exc
-    if magic != RING_MAGIC:
-        raise BenchmarkError(f"net-ring peer {to_host}:{to_port} answered garbage")
-    return nbytes * 8 / max(elapsed, 1e-9) / 1e9
 
 
 def run_budget(timeout_s: float) -> float:
@@ -243,10 +188,7 @@ class TaskRunner:
         target = spec["send_to"]
         host, port = str(target["address"]), int(target["port"])
         receive = net_ring_receive(self.bind_host, int(spec["port"]), nbytes, timeout)
-        if self.send_rate_limit_bps is not None:
-            send = paced_ring_send(host, port, nbytes, self.send_rate_limit_bps, timeout)
-        else:
-            send = net_ring_send(host, port, nbytes, timeout)
+        send = net_ring_send(host, port, nbytes, timeout, rate_bps=self.send_rate_limit_bps)
         received, sent = await asyncio.gather(receive, send, return_exceptions=True)
         for outcome in (received, sent):
             if isinstance(outcome, BaseException):

@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from agents.benchmarks import NCCL_TESTS_AVG_BUSBW, net_ring_receive
-from agents.tasks import TaskRunner, paced_ring_send, run_budget
+from agents.benchmarks import NCCL_TESTS_AVG_BUSBW, net_ring_receive, net_ring_send
+from agents.tasks import TaskRunner, run_budget
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nccl_tests"
 
@@ -78,7 +78,7 @@ async def test_paced_send_speaks_the_ring_protocol() -> None:
     receive = asyncio.create_task(
         net_ring_receive("127.0.0.1", 0, 4 << 20, 20, on_listening=bound.set_result))
     port = await asyncio.wait_for(bound, 5)
-    sent = await paced_ring_send("127.0.0.1", port, 4 << 20, rate_bps=100e6, timeout=20)
+    sent = await net_ring_send("127.0.0.1", port, 4 << 20, timeout=20, rate_bps=100e6)
     assert 0 < sent <= 0.11 and 0 < await receive <= 0.11
 
 
