@@ -45,6 +45,7 @@ from app.analysis.bisect import (
     group_figure,
     record,
 )
+from app.analysis.leadership import Leadership
 from app.api.tasks import RESULTS_CHANNEL, as_json, notify_tasks
 
 log = logging.getLogger(__name__)
@@ -111,8 +112,12 @@ async def _dispatch(
     for g in groups:
         missing = [n for n in g.members if n not in nodes]
         if missing:
-            log.warning("bisection %s group %s: nodes %s are not registered; the group fails",
-                        bisection_id, g.id, ", ".join(missing))
+            log.warning(
+                "bisection %s group %s: nodes %s are not registered; the group fails",
+                bisection_id,
+                g.id,
+                ", ".join(missing),
+            )
             record(state, g.members, None)
             continue
         specs = member_specs(state.benchmark, g.members, spec.get("params", {}), nodes)
@@ -138,9 +143,7 @@ async def _dispatch(
     return woken
 
 
-async def step(
-    conn: AsyncConnection, bisection_id: int, *, expire_grace_s: float = 0.0
-) -> bool:
+async def step(conn: AsyncConnection, bisection_id: int, *, expire_grace_s: float = 0.0) -> bool:
     """Move one bisection on as far as the answers in hand allow; True if it changed.
 
     Runs inside the caller's transaction and locks the bisection's row.
@@ -247,7 +250,7 @@ class BisectionDriver:
     def __init__(self, engine: AsyncEngine, resume_grace_s: float = RESUME_GRACE_S) -> None:
         self.engine = engine
         self.resume_grace_s = resume_grace_s
-        self.is_leader = False
+        self._leadership: Leadership | None = None
         self._wake = asyncio.Event()
         self._leader_since = 0.0
 
@@ -258,8 +261,12 @@ class BisectionDriver:
         """One pass over the running bisections; returns how many changed."""
         grace = max(0.0, self._leader_since + self.resume_grace_s - time.monotonic())
         async with self.engine.connect() as conn:
-            ids = [r[0] for r in await conn.execute(
-                text("SELECT id FROM bisections WHERE status = 'running' ORDER BY id"))]
+            ids = [
+                r[0]
+                for r in await conn.execute(
+                    text("SELECT id FROM bisections WHERE status = 'running' ORDER BY id")
+                )
+            ]
         changed = 0
         for bisection_id in ids:
             try:
@@ -272,38 +279,19 @@ class BisectionDriver:
 
     async def run(self) -> None:
         """Forever: become the leader when possible, then step on every wake-up or tick."""
-        while True:
-            try:
-                async with self.engine.connect() as lock_conn:
-                    got = (
-                        await lock_conn.execute(
-                            text("SELECT pg_try_advisory_lock(:k)"), {"k": DRIVER_LOCK}
-                        )
-                    ).scalar()
-                    await lock_conn.commit()
-                    if not got:
-                        self.is_leader = False
-                        await asyncio.sleep(2.0)
-                        continue
-                    raw: Any = (await lock_conn.get_raw_connection()).driver_connection
-                    await raw.add_listener(RESULTS_CHANNEL, self.wake)
-                    self.is_leader = True
-                    self._leader_since = time.monotonic()
-                    log.info("bisection driver is leader")
-                    try:
-                        await self._lead(raw)
-                    finally:
-                        self.is_leader = False
-                        if not raw.is_closed():
-                            await raw.remove_listener(RESULTS_CHANNEL, self.wake)
-                            await lock_conn.execute(
-                                text("SELECT pg_advisory_unlock(:k)"), {"k": DRIVER_LOCK}
-                            )
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("bisection driver lost its database connection; retrying")
-                await asyncio.sleep(1.0)
+        leadership = Leadership(
+            self.engine, DRIVER_LOCK, RESULTS_CHANNEL, self.wake, "bisection driver"
+        )
+        self._leadership = leadership
+        await leadership.run(self._lead_from_start)
+
+    @property
+    def is_leader(self) -> bool:
+        return self._leadership is not None and self._leadership.is_leader
+
+    async def _lead_from_start(self, raw: Any) -> None:
+        self._leader_since = time.monotonic()
+        await self._lead(raw)
 
     async def _lead(self, raw: Any) -> None:
         while True:

@@ -23,6 +23,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.analysis.incidents import Change, IncidentStore, Report
+from app.analysis.leadership import Leadership
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class AnalysisEngine:
         self.detectors = list(detectors)
         self.store = store or IncidentStore()
         self.interval_s = interval_s
-        self.is_leader = False
+        self._leadership: Leadership | None = None
         self.cycles = 0
         self._wake = asyncio.Event()
 
@@ -78,37 +79,14 @@ class AnalysisEngine:
 
     async def run(self) -> None:
         """Forever: become leader when possible, then cycle."""
-        while True:
-            try:
-                async with self.engine.connect() as lock_conn:
-                    got = (
-                        await lock_conn.execute(
-                            text("SELECT pg_try_advisory_lock(:k)"), {"k": ENGINE_LOCK}
-                        )
-                    ).scalar()
-                    await lock_conn.commit()
-                    if not got:
-                        self.is_leader = False
-                        await asyncio.sleep(2.0)
-                        continue
-                    self.is_leader = True
-                    log.info("analysis engine is leader")
-                    raw = (await lock_conn.get_raw_connection()).driver_connection
-                    await raw.add_listener(WAKE_CHANNEL, self._on_notify)
-                    try:
-                        await self._lead(raw)
-                    finally:
-                        self.is_leader = False
-                        if not raw.is_closed():
-                            await raw.remove_listener(WAKE_CHANNEL, self._on_notify)
-                            await lock_conn.execute(
-                                text("SELECT pg_advisory_unlock(:k)"), {"k": ENGINE_LOCK}
-                            )
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("analysis engine lost its database connection; retrying")
-                await asyncio.sleep(1.0)
+        self._leadership = Leadership(
+            self.engine, ENGINE_LOCK, WAKE_CHANNEL, self._on_notify, "analysis engine"
+        )
+        await self._leadership.run(self._lead)
+
+    @property
+    def is_leader(self) -> bool:
+        return self._leadership is not None and self._leadership.is_leader
 
     async def _lead(self, raw: object) -> None:
         next_at = time.monotonic()
