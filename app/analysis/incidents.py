@@ -55,7 +55,7 @@ class Change:
 
 ChangeHook = Callable[[AsyncConnection, Change], Awaitable[None]]
 
-_COLUMNS = (
+INCIDENT_COLUMNS = (
     "id, key, detector, kind, state, severity, summary, primary_node, suspects, evidence,"
     " first_seen, opened_at, updated_at, last_seen, closed_at"
 )
@@ -82,7 +82,10 @@ class IncidentStore:
         open_rows = {
             r.key: r
             for r in await conn.execute(
-                text(f"SELECT {_COLUMNS} FROM incidents WHERE state = 'open' AND detector = :d"),
+                text(
+                    f"SELECT {INCIDENT_COLUMNS} FROM incidents"
+                    " WHERE state = 'open' AND detector = :d"
+                ),
                 {"d": detector},
             )
         }
@@ -108,7 +111,7 @@ class IncidentStore:
                             " evidence = CAST(:evidence AS jsonb), summary = :summary,"
                             " severity = :severity, primary_node = :primary_node,"
                             f" updated_at = :now, last_seen = :now WHERE key = :key"
-                            f" AND state = 'open' RETURNING {_COLUMNS}"
+                            f" AND state = 'open' RETURNING {INCIDENT_COLUMNS}"
                         ),
                         params,
                     )
@@ -123,7 +126,7 @@ class IncidentStore:
                             " updated_at, last_seen) VALUES (:key, :detector, :kind, :severity,"
                             " :summary, :primary_node, CAST(:suspects AS jsonb),"
                             " CAST(:evidence AS jsonb), :first_seen, :now, :now, :now)"
-                            f" RETURNING {_COLUMNS}"
+                            f" RETURNING {INCIDENT_COLUMNS}"
                         ),
                         params,
                     )
@@ -138,7 +141,7 @@ class IncidentStore:
                     await conn.execute(
                         text(
                             "UPDATE incidents SET state = 'closed', closed_at = :now,"
-                            f" updated_at = :now WHERE id = :id RETURNING {_COLUMNS}"
+                            f" updated_at = :now WHERE id = :id RETURNING {INCIDENT_COLUMNS}"
                         ),
                         {"id": row.id, "now": now},
                     )

@@ -9,15 +9,10 @@ from fastapi import APIRouter, HTTPException, Query, status
 from pydantic import BaseModel
 from sqlalchemy import text
 
-from app.analysis.incidents import row_to_dict
+from app.analysis.incidents import INCIDENT_COLUMNS, row_to_dict
 from app.api.deps import Principal, SessionDep, require
 
 router = APIRouter(prefix="/api/v1/incidents", tags=["incidents"])
-
-_COLUMNS = (
-    "id, key, detector, kind, state, severity, summary, primary_node, suspects, evidence,"
-    " first_seen, opened_at, updated_at, last_seen, closed_at"
-)
 
 
 class IncidentOut(BaseModel):
@@ -58,7 +53,7 @@ async def list_incidents(
     if node:
         where.append("primary_node = :node")
         params["node"] = node
-    sql = f"SELECT {_COLUMNS} FROM incidents"
+    sql = f"SELECT {INCIDENT_COLUMNS} FROM incidents"
     if where:
         sql += " WHERE " + " AND ".join(where)
     sql += " ORDER BY opened_at DESC LIMIT :limit"
@@ -72,7 +67,7 @@ async def get_incident(
     """One incident with its full evidence."""
     row = (
         await session.execute(
-            text(f"SELECT {_COLUMNS} FROM incidents WHERE id = :id"), {"id": incident_id}
+            text(f"SELECT {INCIDENT_COLUMNS} FROM incidents WHERE id = :id"), {"id": incident_id}
         )
     ).first()
     if row is None:
