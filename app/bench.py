@@ -189,11 +189,30 @@ def cmd_bench_ingest(args: argparse.Namespace) -> int:
             args.run_id or f"{int(time.time()) % 100000}",
         )
     )
-    if args.json:
-        print(json.dumps(result))
+    _print(result, args.json)
+    return 0
+
+
+def _print(result: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result, default=str))
     else:
         for k, v in result.items():
             print(f"{k:>24}: {v}")
+
+
+def cmd_bench_probe(args: argparse.Namespace) -> int:
+    from agents.probes.prober import measure_overhead
+
+    _print(measure_overhead(peers=args.peers, seconds=args.seconds, flows=args.flows), args.json)
+    return 0
+
+
+def cmd_bench_localize(args: argparse.Namespace) -> int:
+    from app.analysis.pingmesh import benchmark_localizer
+
+    result = benchmark_localizer(args.nodes, args.tors, args.peers, evaluations=args.evaluations)
+    _print(result, args.json)
     return 0
 
 
@@ -212,3 +231,18 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--run-id", help="suffix of the simulated node names")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench_ingest)
+
+    p = bsub.add_parser("probe", help="CPU and memory of one agent prober at 1 Hz on loopback")
+    p.add_argument("--peers", type=int, default=64)
+    p.add_argument("--flows", type=int, default=4)
+    p.add_argument("--seconds", type=float, default=30)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench_probe)
+
+    p = bsub.add_parser("localize", help="ping-mesh localisation time on a synthetic cluster")
+    p.add_argument("--nodes", type=int, default=1000)
+    p.add_argument("--tors", type=int, default=25)
+    p.add_argument("--peers", type=int, default=64)
+    p.add_argument("--evaluations", type=int, default=10)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench_localize)
