@@ -48,13 +48,13 @@ async def _maintain_partitions(app: FastAPI) -> None:
 
 
 async def run_analysis_engine(app: FastAPI) -> None:
-    from app.analysis.detectors import PfcDetector, PingmeshDetector
+    from app.analysis.detectors import PfcDetector, PingmeshDetector, StragglersDetector
     from app.analysis.engine import AnalysisEngine
     from app.analysis.hang import HangDetector
 
     engine = AnalysisEngine(
         app.state.engine,
-        [PingmeshDetector(), PfcDetector(), HangDetector()],
+        [PingmeshDetector(), PfcDetector(), HangDetector(), StragglersDetector()],
         interval_s=app.state.settings.engine_interval_s,
     )
     actions.install(app, engine)  # the correlator (last detector) and the actions hook
@@ -116,6 +116,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.background += [tasks.run_task_listener, run_bisections]
     app.include_router(tasks.router)
     app.include_router(bisections.router)
+    app.include_router(bisections.incident_router)
     app.include_router(dashboard.router)
 
     @app.get("/healthz", tags=["health"])

@@ -5,6 +5,8 @@
 first round's tasks are handed out at once; the driver
 (``app.analysis.bisect_driver``) does the rest. ``GET /api/v1/bisections/{id}``
 shows every round, group, member figure and the verdict.
+``POST /api/v1/incidents/{id}/bisect`` (role ``isolate``) starts one over the
+nodes of the job an incident names (a straggler's or a hang's).
 """
 
 from __future__ import annotations
@@ -276,3 +278,54 @@ async def get_bisection(
 ) -> BisectionOut:
     """One bisection: its rounds, groups, member figures and the verdict."""
     return await _load(session, bisection_id)
+
+
+incident_router = APIRouter(prefix="/api/v1/incidents", tags=["bisections"])
+
+
+class IncidentBisectionIn(BaseModel):
+    """A bisection over the nodes of an incident's job."""
+
+    model_config = ConfigDict(extra="forbid")
+    benchmark: Literal["net-ring", "gemm", "command"] = "gemm"
+    # A straggler worth an incident is at least 5 % slow, usually far more.
+    threshold: float = Field(
+        0.1, gt=0, lt=1, description="fraction worse than baseline that is slow"
+    )
+    spec: dict[str, Any] = Field(default_factory=dict, description="the benchmark's parameters")
+
+
+@incident_router.post(
+    "/{incident_id}/bisect", response_model=BisectionOut, status_code=status.HTTP_201_CREATED
+)
+async def bisect_incident(
+    incident_id: int,
+    body: IncidentBisectionIn,
+    session: SessionDep,
+    principal: Principal = require("isolate"),
+) -> BisectionOut:
+    """Start a bisection over the nodes of the job named by an incident's evidence."""
+    row = (
+        await session.execute(
+            text("SELECT evidence->>'job' FROM incidents WHERE id = :id"), {"id": incident_id}
+        )
+    ).first()
+    if row is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no incident {incident_id}")
+    job = row[0]
+    if not job:
+        raise HTTPException(UNPROCESSABLE, f"incident {incident_id} names no job")
+    nodes = [
+        r[0]
+        for r in await session.execute(
+            text("SELECT DISTINCT node FROM job_ranks WHERE job = :job ORDER BY node"),
+            {"job": job},
+        )
+    ]
+    if not nodes:
+        raise HTTPException(UNPROCESSABLE, f"job {job!r} of incident {incident_id} has no ranks")
+    request = BisectionIn.model_validate(
+        {"nodes": nodes, "benchmark": body.benchmark, "threshold": body.threshold,
+         "spec": body.spec}
+    )
+    return await create_bisection(request, session, principal)

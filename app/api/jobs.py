@@ -4,24 +4,28 @@ detector uses that map to name the node of a rank that stopped.
 ``POST /api/v1/jobs`` (roles isolate, admin) registers or replaces a job;
 ``GET /api/v1/jobs`` lists jobs; ``GET /api/v1/jobs/{id}`` shows each rank with
 the furthest collective it was seen to reach and its open hang incidents.
+``POST /api/v1/jobs/{id}/steps`` takes per-rank step times for the straggler
+detector.
 """
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Response, status
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, model_validator
 from sqlalchemy import text
 
 from agents.protocol import Ident, ShortText
-from app.api.deps import Principal, SessionDep, require
+from app.api.deps import Principal, PrincipalDep, SessionDep, SettingsDep, require
+from app.store import partitions
 
 router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
 
 JobState = Literal["running", "finished", "failed", "cancelled"]
 MAX_RANKS = 100_000
+MAX_STEPS = 10_000  # per request: a step of a 10 000-rank job, or many steps of a few ranks
 # Events of a job are looked for from an hour before it was registered: clocks
 # differ, and a scheduler may register a job after its ranks started.
 _SLACK = timedelta(hours=1)
@@ -219,3 +223,109 @@ async def get_job(
         "open_incidents": [dict(i._mapping) for i in incidents],
     }
 
+
+
+class StepIn(BaseModel):
+    """One rank's compute time of one step (its time before the step's collective)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: Annotated[int, Field(ge=0, le=10_000_000)]
+    step: Annotated[int, Field(ge=0, le=2**62)]
+    duration_s: Annotated[float, Field(ge=0, le=86_400, allow_inf_nan=False)]
+    ts: AwareDatetime
+
+
+class StepsIn(BaseModel):
+    """Step times of some ranks of one job."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: list[StepIn] = Field(min_length=1, max_length=MAX_STEPS)
+
+    @model_validator(mode="after")
+    def _steps_unique(self) -> StepsIn:
+        seen: set[tuple[int, int]] = set()
+        for s in self.steps:
+            if (s.rank, s.step) in seen:
+                raise ValueError(f"step {s.step} of rank {s.rank} is given twice")
+            seen.add((s.rank, s.step))
+        return self
+
+
+class StepsAccepted(BaseModel):
+    job: str
+    steps: int
+
+
+def _step_error(i: int, field: str, msg: str, kind: str) -> dict[str, Any]:
+    return {"loc": ["body", "steps", i, field], "field": f"steps[{i}].{field}", "msg": msg,
+            "type": kind}
+
+
+@router.post("/{job_id:path}/steps", response_model=StepsAccepted)
+async def post_steps(
+    job_id: str,
+    body: StepsIn,
+    session: SessionDep,
+    settings: SettingsDep,
+    principal: PrincipalDep,
+) -> dict[str, Any]:
+    """Record per-rank step times of a job (a node hosting one of the ranks, isolate, admin)."""
+    if principal.role != "node" and not principal.can("isolate"):
+        raise HTTPException(
+            status.HTTP_403_FORBIDDEN, f"role {principal.role!r} may not post steps"
+        )
+    job = await session.execute(text("SELECT 1 FROM jobs WHERE id = :id"), {"id": job_id})
+    if job.first() is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id!r}")
+    placed: dict[int, str] = dict(
+        (
+            await session.execute(
+                text("SELECT rank, node FROM job_ranks WHERE job = :id AND rank = ANY(:ranks)"),
+                {"id": job_id, "ranks": sorted({s.rank for s in body.steps})},
+            )
+        ).all()
+    )
+    oldest, _ = partitions.window(settings.retention_days)
+    newest = datetime.now(UTC) + timedelta(seconds=settings.max_clock_skew_s)
+    errors = []
+    for i, s in enumerate(body.steps):
+        if s.rank not in placed:
+            errors.append(_step_error(i, "rank", f"rank {s.rank} is not in job {job_id!r}'s"
+                                      " rank map", "unknown_rank"))
+        elif not oldest <= s.ts <= newest:
+            errors.append(_step_error(i, "ts", f"timestamp {s.ts.isoformat()} outside"
+                                      f" [{oldest.isoformat()}, {newest.isoformat()}]"
+                                      " (retention or clock skew)", "time_window"))
+        if len(errors) >= 20:
+            break
+    if errors:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, errors)
+    # A job's ranks often report through one of them (rank 0 gathers every
+    # rank's timings), so any node the job runs on may post for all its ranks.
+    if principal.role == "node" and principal.node not in placed.values():
+        raise HTTPException(
+            status.HTTP_403_FORBIDDEN,
+            f"node {principal.node!r} hosts none of these ranks of job {job_id!r}",
+        )
+    await session.execute(
+        text(
+            "INSERT INTO job_steps (job, rank, step, duration_s, ts)"
+            " SELECT :id, v.rank, v.step, v.duration_s, v.ts FROM unnest("
+            " CAST(:ranks AS integer[]), CAST(:steps AS bigint[]),"
+            " CAST(:durations AS double precision[]), CAST(:ts AS timestamptz[]))"
+            " AS v(rank, step, duration_s, ts)"
+            " ON CONFLICT (job, rank, step) DO UPDATE SET duration_s = excluded.duration_s,"
+            " ts = excluded.ts, received_at = excluded.received_at"
+        ),
+        {
+            "id": job_id,
+            "ranks": [s.rank for s in body.steps],
+            "steps": [s.step for s in body.steps],
+            "durations": [s.duration_s for s in body.steps],
+            "ts": [s.ts for s in body.steps],
+        },
+    )
+    await session.commit()
+    return {"job": job_id, "steps": len(body.steps)}

@@ -57,10 +57,10 @@ async def maintain(conn: AsyncConnection, retention_days: int, today: date | Non
         if m and datetime.strptime(m.group(1), "%Y%m%d").date() < first:
             await conn.execute(text(f"DROP TABLE IF EXISTS {name}"))
             dropped.append(name)
-    await conn.execute(
-        text("DELETE FROM ingest_batches WHERE received_at < :t"),
-        {"t": datetime.now(UTC) - timedelta(days=retention_days)},
-    )
+    # Plain tables with per-row history follow the same retention.
+    cutoff = datetime.now(UTC) - timedelta(days=retention_days)
+    for table in ("ingest_batches", "job_steps"):
+        await conn.execute(text(f"DELETE FROM {table} WHERE received_at < :t"), {"t": cutoff})
     return {"created": created, "dropped": dropped}
 
 
