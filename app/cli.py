@@ -175,9 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from app import bench
     from app.lab import runner
+    from app.sim import bisect as sim_bisect
 
     bench.add_parser(sub)
     runner.add_parser(sub)
+    sim_bisect.add_parser(sub)
     return parser
 
 
