@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 # Per-list row limits of one Batch (see protocol.Batch); a backlog of samples is split.
 _LIMITS = {"probes": MAX_ROWS, "hosts": 600, "gpus": MAX_ROWS, "nics": MAX_ROWS, "events": 10_000}
+# Events this grave ship at once, not at the next batch tick (Xid, NCCL timeouts, lost GPUs).
+URGENT_SEVERITIES = frozenset({"error", "critical"})
+URGENT_MIN_GAP_S = 0.2  # early batches are never closer together than this
 _ERROR_EVENT_EVERY_S = 60.0  # at most one collector_error event per collector per minute
 
 
@@ -113,6 +116,8 @@ class AgentDaemon:
         self._use_configured = collectors is None
         self.prober: Any = None
         self.task_runner: Any = None
+        self._ship_now = asyncio.Event()
+        self._last_ship = 0.0
         self.responder: Any = None
         self.batches_built = 0
         self._pending = Samples()
@@ -231,7 +236,10 @@ class AgentDaemon:
         while True:
             # Awaited inline: a slow collect() delays this loop, it never overlaps itself.
             try:
-                self._pending.extend(await collector.collect())
+                samples = await collector.collect()
+                self._pending.extend(samples)
+                if samples.urgent or any(e.severity in URGENT_SEVERITIES for e in samples.events):
+                    self._ship_now.set()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -267,8 +275,16 @@ class AgentDaemon:
         interval = self.config.batch_interval
         next_at = time.monotonic() + interval
         while True:
-            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-            next_at = max(next_at + interval, time.monotonic())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, next_at - time.monotonic())):
+                    await self._ship_now.wait()
+            if self._ship_now.is_set():
+                # Early, for something urgent; not more often than URGENT_MIN_GAP_S.
+                self._ship_now.clear()
+                await asyncio.sleep(max(0.0, self._last_ship + URGENT_MIN_GAP_S - time.monotonic()))
+            else:
+                next_at = max(next_at + interval, time.monotonic())
+            self._last_ship = time.monotonic()
             try:
                 await self._ship_pending()
             except asyncio.CancelledError:

@@ -23,8 +23,12 @@ class Samples:
     gpus: list[GpuSample] = field(default_factory=list)
     nics: list[NicCounter] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
+    # Ship at once rather than at the next batch tick: something a detector is
+    # racing to see (a pause storm building, an Xid, a collective timeout).
+    urgent: bool = False
 
     def extend(self, other: Samples) -> None:
+        self.urgent = self.urgent or other.urgent
         self.probes.extend(other.probes)
         self.hosts.extend(other.hosts)
         self.gpus.extend(other.gpus)

@@ -77,6 +77,9 @@ class _Tally:
     quanta_max: int = 0
 
 
+URGENT_PPS = 100.0
+
+
 class PfcSniffer(Collector):
     """PFC frames on one interface, per source MAC and priority, counted by a reader thread.
 
@@ -173,6 +176,11 @@ class PfcSniffer(Collector):
             per_priority[priority] = per_priority.get(priority, 0) + tally.frames
 
         samples = Samples()
+        # Pausing at this rate is either a storm building or heavy congestion:
+        # either way the backend should see it now, not at the next batch tick.
+        samples.urgent = any(
+            elapsed > 0 and frames / elapsed >= URGENT_PPS for frames in per_priority.values()
+        )
         for priority in sorted(totals):
             frames = per_priority.get(priority, 0)
             samples.nics.append(

@@ -29,11 +29,11 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from agents.collectors.base import Roots
+from agents.collectors.base import Roots, Samples
 from agents.collectors.host import HostCollector
 from agents.config import AgentConfig, ConfigError, load_config
 from agents.daemon import AgentDaemon
-from agents.protocol import Batch, NicCounter, Peer, Pinglist, RegisterRequest
+from agents.protocol import Batch, Event, NicCounter, Peer, Pinglist, RegisterRequest
 from agents.shipper import Shipper
 from agents.spool import Spool
 
@@ -736,3 +736,46 @@ def test_parse_prints_one_json_object_per_event(kind: str, fixture: str) -> None
     lines = from_file.decode().splitlines()
     assert [json.loads(line) for line in lines] == json.loads(json.dumps(expected, default=str))
     assert all(isinstance(json.loads(line), dict) for line in lines)
+
+
+class OneXidCollector(HostCollector):
+    """Real host samples, plus one critical Xid event when the test releases it."""
+
+    interval = 0.05
+
+    def __init__(self) -> None:
+        super().__init__(Roots())
+        self.fire = False
+
+    async def collect(self) -> Samples:
+        samples = await super().collect()
+        if self.fire:
+            self.fire = False
+            samples.events.append(Event(ts=datetime.now(UTC), kind="xid", severity="critical",
+                                        message="NVRM: Xid (PCI:0000:3b:00): 79"))
+        return samples
+
+
+async def test_grave_event_ships_before_the_batch_tick(
+    receiver: Receiver, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    collector = OneXidCollector()
+    daemon = AgentDaemon(daemon_config(receiver, tmp_path, batch_interval=30.0),
+                         collectors=[collector], client=client)
+    task = asyncio.create_task(daemon.run(install_signal_handlers=False))
+
+    def xids() -> int:
+        with receiver.lock:
+            return sum(1 for b in receiver.stored for e in b.events if e.kind == "xid")
+
+    try:
+        await asyncio.sleep(0.3)  # let the collector run a few rounds with nothing urgent
+        assert daemon.batches_built == 0  # the 30 s tick is far away
+        collector.fire = True
+        started = time.monotonic()
+        await wait_until(lambda: xids() == 1)
+        # Shipped at once, 30 s before its batch tick.
+        assert time.monotonic() - started < 5
+    finally:
+        daemon.stop()
+        assert await asyncio.wait_for(task, 10) == 0
