@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 import secrets
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
+import pytest
 
 from app.lab.processes import BackendProcess
+
+
+@pytest.fixture
+def backend(fresh_db_url: str, tmp_path: Path) -> Iterator[BackendProcess]:
+    """A server of its own: the cross-ToR sample depends on every rack registered."""
+    server = BackendProcess(
+        fresh_db_url, tmp_path / "backend", extra_env={"MESHWATCH_RUN_ENGINE": "false"}
+    )
+    server.start()
+    yield server
+    server.stop()
 
 
 async def test_pinglist_follows_membership(backend: BackendProcess) -> None:
