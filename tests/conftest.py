@@ -12,15 +12,17 @@ import os
 import secrets
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import asyncpg
+import httpx
 import pytest
 from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.lab.processes import BackendProcess
-from app.store.database import normalise_url
+from app.store.database import make_engine, normalise_url
 
 
 def asyncpg_dsn(url: str) -> str:
@@ -77,6 +79,21 @@ def backend(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[B
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+async def client(backend: BackendProcess) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client on the shared backend."""
+    async with httpx.AsyncClient(base_url=backend.url, timeout=20) as c:
+        yield c
+
+
+@pytest.fixture
+async def engine(backend: BackendProcess, pg_url: str) -> AsyncIterator[AsyncEngine]:
+    """A SQLAlchemy engine on the (migrated) test database, for running detectors."""
+    eng = make_engine(pg_url, pool_size=2)
+    yield eng
+    await eng.dispose()
 
 
 @pytest.fixture

@@ -11,24 +11,15 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter, HTTPException, Request, Response, status
-from sqlalchemy import select
 
 from agents.protocol import Peer, Pinglist
-from app.analysis.topology import Topology, pinglist_for, pinglist_version
+from app.analysis.detectors import load_topology
+from app.analysis.topology import pinglist_for, pinglist_version
 from app.api.deps import PrincipalDep, SessionDep, SettingsDep
-from app.store.models import Node
 
 router = APIRouter(prefix="/api/v1/pinglist", tags=["pinglist"])
 
 ROTATION_S = 3600
-UNRACKED = "unracked"
-
-
-async def load_topology(session: SessionDep) -> Topology:
-    rows = await session.execute(
-        select(Node.id, Node.rack, Node.pod, Node.address, Node.probe_port)
-    )
-    return Topology.from_records((n, rack or UNRACKED, pod, a, p) for n, rack, pod, a, p in rows)
 
 
 @router.get("/{node}", response_model=Pinglist, responses={304: {"description": "unchanged"}})
@@ -43,7 +34,7 @@ async def get_pinglist(
     """The peers this node probes, with their probe addresses; ETag / 304 aware."""
     if not (principal.node == node or principal.can("read")):
         raise HTTPException(status.HTTP_403_FORBIDDEN, "a node reads only its own pinglist")
-    topology = await load_topology(session)
+    topology = await load_topology(await session.connection())
     if node not in topology:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"node {node!r} is not registered")
     names = pinglist_for(topology, node, settings.cross_tor_peers, int(time.time()) // ROTATION_S)

@@ -43,12 +43,6 @@ async def wait_until(probe: Callable[[], Awaitable[T | None]], what: str,
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 
 
-@pytest.fixture
-async def client(backend: BackendProcess) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=backend.url, timeout=20) as c:
-        yield c
-
-
 def admin(backend: BackendProcess) -> dict[str, str]:
     return {"Authorization": f"Bearer {backend.admin_token}"}
 

@@ -97,12 +97,6 @@ async def counts(db: Any, node: str) -> dict[str, int]:
 
 
 @pytest.fixture
-async def client(backend: BackendProcess):  # type: ignore[no-untyped-def]
-    async with httpx.AsyncClient(base_url=backend.url, timeout=20) as c:
-        yield c
-
-
-@pytest.fixture
 def node() -> str:
     return f"node-{secrets.token_hex(4)}"
 

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -23,22 +21,8 @@ from app.analysis.engine import AnalysisEngine
 from app.analysis.hang import HangDetector
 from app.api.deps import hash_token
 from app.lab.processes import BackendProcess
-from app.store.database import make_engine
 
 NCCL_FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nccl"
-
-
-@pytest.fixture
-async def client(backend: BackendProcess) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=backend.url, timeout=20) as c:
-        yield c
-
-
-@pytest.fixture
-async def engine(backend: BackendProcess, pg_url: str) -> AsyncIterator[AsyncEngine]:
-    eng = make_engine(pg_url, pool_size=2)
-    yield eng
-    await eng.dispose()
 
 
 def tag() -> str:

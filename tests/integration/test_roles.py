@@ -47,12 +47,6 @@ BOOTSTRAP = {("POST", "/api/v1/nodes/register")}
 ROLES = ("node", "read", "isolate", "admin", None)
 
 
-@pytest.fixture
-async def client(backend: BackendProcess):  # type: ignore[no-untyped-def]
-    async with httpx.AsyncClient(base_url=backend.url, timeout=20) as c:
-        yield c
-
-
 async def make_token(client: httpx.AsyncClient, backend: BackendProcess, role: str) -> str:
     r = await client.post("/api/v1/tokens", json={"name": f"{role}-{secrets.token_hex(2)}",
                                                   "role": role},

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import random
 import secrets
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
-import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -20,25 +18,11 @@ from app.analysis.engine import AnalysisEngine
 from app.analysis.stragglers import THROTTLE_HW_SLOWDOWN
 from app.api.deps import hash_token
 from app.lab.processes import BackendProcess
-from app.store.database import make_engine
 from tests.integration.test_jobs_hang import Cluster, tag
 
 RANKS = 8
 STEP_S = 2.0  # seconds between steps
 BASE_S = 1.0  # a healthy rank's compute time per step
-
-
-@pytest.fixture
-async def client(backend: BackendProcess) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=backend.url, timeout=20) as c:
-        yield c
-
-
-@pytest.fixture
-async def engine(backend: BackendProcess, pg_url: str) -> AsyncIterator[AsyncEngine]:
-    eng = make_engine(pg_url, pool_size=2)
-    yield eng
-    await eng.dispose()
 
 
 async def make_token(db: Any, role: str) -> dict[str, str]:

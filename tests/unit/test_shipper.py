@@ -746,8 +746,10 @@ class OneXidCollector(HostCollector):
     def __init__(self) -> None:
         super().__init__(Roots())
         self.fire = False
+        self.rounds = 0
 
     async def collect(self) -> Samples:
+        self.rounds += 1
         samples = await super().collect()
         if self.fire:
             self.fire = False
@@ -769,7 +771,8 @@ async def test_grave_event_ships_before_the_batch_tick(
             return sum(1 for b in receiver.stored for e in b.events if e.kind == "xid")
 
     try:
-        await asyncio.sleep(0.3)  # let the collector run a few rounds with nothing urgent
+        # A few rounds with nothing urgent first.
+        await wait_until(lambda: collector.rounds >= 5)
         assert daemon.batches_built == 0  # the 30 s tick is far away
         collector.fire = True
         started = time.monotonic()
